@@ -1,0 +1,287 @@
+"""The `jobq` command line.
+
+Each command is a thin wrapper: parse options, call the module that does the
+work, print. Errors a user can cause become one line on stderr and exit 2.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Annotated, Any, TypeVar
+
+import typer
+from sqlalchemy import Engine, MetaData, Table, create_engine
+from sqlalchemy.engine import Connection
+from sqlalchemy.pool import NullPool
+
+from . import client, statements
+from .db import BadDatabaseURL, sqlalchemy_url
+from .errors import CONNECTION_ERRORS, USER_ERRORS, UsageError, describe_connection_error
+from .migrations import check_schema
+from .schema import jobs_table
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="sqla_jobq: a PostgreSQL job queue on SQLAlchemy.",
+    pretty_exceptions_enable=False,
+)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+DatabaseUrl = Annotated[
+    str | None,
+    typer.Option(
+        "--database-url",
+        envvar="JOBQ_DATABASE_URL",
+        help="PostgreSQL URL, e.g. postgresql://user@host:5432/db.",
+        show_default=False,
+    ),
+]
+TableName = Annotated[
+    str,
+    typer.Option("--table", envvar="JOBQ_TABLE", help="Queue table, NAME or SCHEMA.NAME."),
+]
+AsJson = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
+
+
+def fail(message: str, code: int = 2) -> typer.Exit:
+    typer.echo(f"jobq: error: {message}", err=True)
+    return typer.Exit(code)
+
+
+def friendly(fn: F) -> F:
+    """Turn the errors a user can cause into one line on stderr and exit 2."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except USER_ERRORS as exc:
+            raise fail(str(exc)) from None
+        except CONNECTION_ERRORS as exc:
+            raise fail(describe_connection_error(exc)) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def require_url(url: str | None) -> str:
+    if not url:
+        raise UsageError("no database: pass --database-url or set JOBQ_DATABASE_URL")
+    return sqlalchemy_url(url)
+
+
+def parse_table(spec: str) -> Table:
+    schema, _, name = spec.rpartition(".")
+    if not name:
+        raise UsageError(f"bad --table {spec!r}: expected NAME or SCHEMA.NAME")
+    try:
+        return jobs_table(MetaData(), name, schema or None)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def make_engine(url: str | None) -> Engine:
+    return create_engine(require_url(url), poolclass=NullPool)
+
+
+@contextmanager
+def checked(url: str | None, table: Table) -> Iterator[Connection]:
+    """A transaction on a database whose queue schema is present and current."""
+    engine = make_engine(url)
+    try:
+        with engine.begin() as conn:
+            check_schema(conn, table)
+            yield conn
+    finally:
+        engine.dispose()
+
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
+_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def parse_duration(text: str) -> timedelta:
+    """`90`, `90s`, `15m`, `12h`, `7d`, `2w`."""
+    match = _DURATION.match(text)
+    if not match:
+        raise UsageError(f"bad duration {text!r}: use a number with s, m, h, d or w (e.g. 7d)")
+    return timedelta(seconds=float(match[1]) * _UNITS[match[2]])
+
+
+def parse_payload(text: str) -> Any:
+    def refuse(token: str) -> Any:
+        raise ValueError(f"{token} is not JSON")
+
+    try:
+        return json.loads(text, parse_constant=refuse)
+    except ValueError as exc:
+        raise UsageError(f"--payload is not valid JSON: {exc}") from None
+
+
+@app.command()
+@friendly
+def migrate(database_url: DatabaseUrl = None, table: TableName = "jobs") -> None:
+    """Create or upgrade the queue schema (the same DDL as `alembic upgrade head`)."""
+    from .migrations.runner import migrate_to_latest
+
+    applied = migrate_to_latest(require_url(database_url), parse_table(table))
+    typer.echo(f"schema version {applied}")
+
+
+@app.command()
+@friendly
+def enqueue(
+    task: Annotated[str, typer.Argument(help="Registered task name.")],
+    payload: Annotated[str, typer.Option(help="Keyword arguments as a JSON object.")] = "{}",
+    queue: Annotated[str | None, typer.Option(help="Queue (default: the task's).")] = None,
+    delay: Annotated[float, typer.Option(help="Seconds before it may run.")] = 0.0,
+    priority: Annotated[int | None, typer.Option(help="Higher runs first.")] = None,
+    unique_key: Annotated[str | None, typer.Option(help="At most one active job per key.")] = None,
+    app_spec: Annotated[
+        str | None,
+        typer.Option("--app", help="MODULE:ATTR of the Registry, to check the payload."),
+    ] = None,
+    database_url: DatabaseUrl = None,
+    table: TableName = "jobs",
+) -> None:
+    """Enqueue one job and print its id."""
+    if delay < 0:
+        raise UsageError(f"--delay must not be negative, got {delay}")
+    kwargs = parse_payload(payload)
+    options: dict[str, Any] = {"queue": queue or "default", "priority": priority or 0}
+    target = parse_table(table)
+    if app_spec is not None:
+        from .registry import load_registry
+
+        registry = load_registry(app_spec)
+        known = registry.require(task)
+        kwargs = known.check_payload(kwargs)
+        target = registry.table
+        options = {
+            "queue": queue or known.queue,
+            "priority": known.priority if priority is None else priority,
+            "max_attempts": known.max_attempts,
+        }
+    elif not isinstance(kwargs, dict):
+        raise UsageError("--payload must be a JSON object of keyword arguments")
+    stmt_options = dict(options, unique_key=unique_key, delay=timedelta(seconds=delay) or None)
+    statements.enqueue(target, task, kwargs, **stmt_options)
+    with checked(database_url, target) as conn:
+        typer.echo(client.enqueue(conn, target, task, kwargs, **stmt_options))
+
+
+@app.command()
+@friendly
+def stats(database_url: DatabaseUrl = None, table: TableName = "jobs", as_json: AsJson = False) -> None:
+    """Jobs per queue and status, the oldest ready job's age, expired leases."""
+    target = parse_table(table)
+    with checked(database_url, target) as conn:
+        rows = [dict(r._mapping) for r in conn.execute(statements.stats(target))]
+    for row in rows:
+        age = row["oldest_ready_age"]
+        row["oldest_ready_age"] = None if age is None else round(float(age), 3)
+    if as_json:
+        typer.echo(json.dumps(rows))
+        return
+    typer.echo(f"{'queue':<20} {'status':<8} {'count':>8} {'oldest ready (s)':>17} {'expired':>8}")
+    for row in rows:
+        age = "" if row["oldest_ready_age"] is None else f"{row['oldest_ready_age']:.1f}"
+        typer.echo(
+            f"{row['queue']:<20} {row['status']:<8} {row['count']:>8} {age:>17} "
+            f"{row['expired_leases']:>8}"
+        )
+
+
+@app.command()
+@friendly
+def reap(database_url: DatabaseUrl = None, table: TableName = "jobs") -> None:
+    """Return jobs whose lease expired to the queue (or fail them at max_attempts)."""
+    target = parse_table(table)
+    with checked(database_url, target) as conn:
+        rows = conn.execute(statements.reap(target)).all()
+    requeued = sum(1 for r in rows if r.status == "queued")
+    typer.echo(f"reaped {len(rows)} jobs: {requeued} queued again, {len(rows) - requeued} failed")
+
+
+@app.command()
+@friendly
+def prune(
+    older_than: Annotated[str, typer.Option(help="Age, e.g. 7d, 12h, 30m.")] = "7d",
+    status: Annotated[str, typer.Option(help="Comma-separated: done,failed.")] = "done,failed",
+    batch_size: Annotated[int, typer.Option(min=1, max=10000)] = 10000,
+    database_url: DatabaseUrl = None,
+    table: TableName = "jobs",
+) -> None:
+    """Delete finished jobs in batches, each batch its own short transaction."""
+    target = parse_table(table)
+    age = parse_duration(older_than)
+    stmt = statements.prune(
+        target, older_than=age, limit=batch_size, statuses=[s.strip() for s in status.split(",")]
+    )
+    with checked(database_url, target):
+        pass
+    engine = make_engine(database_url)
+    total = 0
+    try:
+        while True:
+            with engine.begin() as conn:
+                count = conn.execute(stmt).rowcount
+            total += count
+            if count < batch_size:
+                break
+    finally:
+        engine.dispose()
+    typer.echo(f"pruned {total} jobs")
+
+
+def _one_job(
+    database_url: str | None, table: str, build: Callable[[Table], Any], what: str
+) -> None:
+    target = parse_table(table)
+    with checked(database_url, target) as conn:
+        row = conn.execute(build(target)).first()
+    if row is None:
+        raise fail(what, code=1)
+    typer.echo(row[0])
+
+
+@app.command()
+@friendly
+def retry(
+    job_id: Annotated[int, typer.Argument(metavar="ID")],
+    database_url: DatabaseUrl = None,
+    table: TableName = "jobs",
+) -> None:
+    """A failed job back to queued now, with one more attempt (attempts is kept)."""
+    _one_job(
+        database_url, table, lambda t: statements.retry(t, job_id), f"no failed job {job_id}"
+    )
+
+
+@app.command()
+@friendly
+def cancel(
+    job_id: Annotated[int, typer.Argument(metavar="ID")],
+    database_url: DatabaseUrl = None,
+    table: TableName = "jobs",
+) -> None:
+    """A queued job to failed with last_error = 'cancelled'."""
+    _one_job(
+        database_url, table, lambda t: statements.cancel(t, job_id), f"no queued job {job_id}"
+    )
+
+
+def main() -> None:
+    """Entry point of the `jobq` script."""
+    try:
+        app()
+    except BadDatabaseURL as exc:
+        typer.echo(f"jobq: error: {exc}", err=True)
+        sys.exit(2)

@@ -1,0 +1,32 @@
+"""Errors a user can cause, each reported as one line naming the fix (exit 2)."""
+
+from __future__ import annotations
+
+import psycopg
+from sqlalchemy.exc import OperationalError
+
+from .db import BadDatabaseURL
+from .migrations import SchemaError
+from .statements import InvalidJob
+
+
+class UsageError(ValueError):
+    """Bad command-line input: a module path, a JSON payload, an option value."""
+
+
+USER_ERRORS: tuple[type[BaseException], ...] = (
+    UsageError,
+    BadDatabaseURL,
+    SchemaError,
+    InvalidJob,
+)
+
+
+def describe_connection_error(exc: BaseException) -> str:
+    """One line for a database that cannot be reached."""
+    detail = str(getattr(exc, "orig", None) or exc).strip().splitlines()
+    first = detail[0] if detail else type(exc).__name__
+    return f"cannot connect to the database: {first} (check --database-url / JOBQ_DATABASE_URL)"
+
+
+CONNECTION_ERRORS: tuple[type[BaseException], ...] = (psycopg.OperationalError, OperationalError)

@@ -1,0 +1,3 @@
+from sqla_jobq.migrations.environment import run
+
+run()

@@ -1,0 +1,35 @@
+"""The Alembic environment shared by `alembic/env.py` and `jobq migrate`."""
+
+from __future__ import annotations
+
+import os
+
+from alembic import context
+from sqlalchemy import create_engine, pool
+
+from ..db import sqlalchemy_url
+
+
+def run() -> None:
+    """Run the migrations Alembic asked for, online or as SQL (`--sql`)."""
+    config = context.config
+    url = config.get_main_option("sqlalchemy.url") or os.environ.get("JOBQ_DATABASE_URL")
+    if not url:
+        raise SystemExit("set JOBQ_DATABASE_URL (or sqlalchemy.url in alembic.ini)")
+    url = sqlalchemy_url(url)
+    if context.is_offline_mode():
+        context.configure(url=url, literal_binds=True)
+        with context.begin_transaction():
+            context.run_migrations()
+        return
+    connection = config.attributes.get("connection")
+    if connection is not None:
+        context.configure(connection=connection)
+        with context.begin_transaction():
+            context.run_migrations()
+        return
+    engine = create_engine(url, poolclass=pool.NullPool)
+    with engine.connect() as conn:
+        context.configure(connection=conn)
+        with context.begin_transaction():
+            context.run_migrations()

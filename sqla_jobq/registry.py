@@ -1,0 +1,286 @@
+"""Tasks: named functions a worker can run, and the enqueueing of calls to them.
+
+A job's payload is the task's keyword arguments as JSON. Both are checked when
+the job is enqueued (the arguments against the function's signature, the
+payload against strict JSON), so a bad call fails in the caller's code, with
+its transaction still open, not hours later in a worker.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from contextvars import ContextVar
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any, Generic, ParamSpec, TypeVar, overload
+
+from sqlalchemy import Table
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
+
+from . import client
+from .statements import DEFAULT_LEASE, InvalidJob, NewJob, encode_payload
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class Job:
+    """The job a handler is running, as `current_job()` returns it."""
+
+    id: int
+    task: str | None
+    queue: str
+    payload: Any
+    attempts: int
+    max_attempts: int
+
+
+_current_job: ContextVar[Job] = ContextVar("sqla_jobq_current_job")
+
+
+def current_job() -> Job:
+    """The job being run by the calling handler (LookupError outside one)."""
+    try:
+        return _current_job.get()
+    except LookupError:
+        raise LookupError("current_job() is only available inside a running job") from None
+
+
+def set_current_job(job: Job) -> None:
+    """Bind `job` to the current context; the worker runs each job in a fresh one."""
+    _current_job.set(job)
+
+
+class Task(Generic[P, R]):
+    """A registered function: still callable as itself, and enqueueable."""
+
+    def __init__(
+        self,
+        fn: Callable[P, R],
+        *,
+        name: str,
+        queue: str,
+        max_attempts: int,
+        lease: timedelta,
+        priority: int,
+        table: Table,
+    ) -> None:
+        self.fn = fn
+        self.name = name
+        self.queue = queue
+        self.max_attempts = max_attempts
+        self.lease = lease
+        self.priority = priority
+        self.table = table
+        self.signature = inspect.signature(fn)
+        self.is_async = inspect.iscoroutinefunction(fn)
+        self.__doc__ = fn.__doc__
+        self.__name__ = getattr(fn, "__name__", name)
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        return self.fn(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<Task {self.name} queue={self.queue!r}>"
+
+    def check_payload(self, payload: Any) -> dict[str, Any]:
+        """The payload as keyword arguments, or InvalidJob saying why not."""
+        if not isinstance(payload, Mapping):
+            raise InvalidJob(
+                f"payload for task {self.name} must be a JSON object of keyword arguments, "
+                f"not {type(payload).__name__}"
+            )
+        kwargs = dict(payload)
+        try:
+            self.signature.bind(**kwargs)
+        except TypeError as exc:
+            raise InvalidJob(
+                f"payload does not match {self.name}{self.signature}: {exc}"
+            ) from None
+        encode_payload(kwargs)
+        return kwargs
+
+    def new_job(
+        self,
+        kwargs: Mapping[str, Any],
+        *,
+        run_at: datetime | None = None,
+        delay: timedelta | None = None,
+        unique_key: str | None = None,
+    ) -> NewJob:
+        return NewJob(
+            task=self.name,
+            payload=self.check_payload(kwargs),
+            queue=self.queue,
+            run_at=run_at,
+            delay=delay,
+            priority=self.priority,
+            max_attempts=self.max_attempts,
+            unique_key=unique_key,
+        )
+
+    @overload
+    def enqueue(
+        self,
+        conn: client.Executor,
+        *,
+        run_at: datetime | None = ...,
+        delay: timedelta | None = ...,
+        unique_key: str | None = ...,
+        **kwargs: Any,
+    ) -> int: ...
+
+    @overload
+    def enqueue(
+        self,
+        conn: client.AsyncExecutor,
+        *,
+        run_at: datetime | None = ...,
+        delay: timedelta | None = ...,
+        unique_key: str | None = ...,
+        **kwargs: Any,
+    ) -> Awaitable[int]: ...
+
+    def enqueue(
+        self,
+        conn: client.Executor | client.AsyncExecutor,
+        *,
+        run_at: datetime | None = None,
+        delay: timedelta | None = None,
+        unique_key: str | None = None,
+        **kwargs: Any,
+    ) -> int | Awaitable[int]:
+        """Enqueue a call in the caller's transaction; never commits.
+
+        On an async connection or session this returns an awaitable.
+        """
+        job = self.new_job(kwargs, run_at=run_at, delay=delay, unique_key=unique_key)
+        options = {
+            "queue": job.queue,
+            "run_at": job.run_at,
+            "delay": job.delay,
+            "priority": job.priority,
+            "max_attempts": job.max_attempts,
+            "unique_key": job.unique_key,
+        }
+        if isinstance(conn, AsyncConnection | AsyncSession):
+            return client.enqueue_async(conn, self.table, job.task, job.payload, **options)
+        return client.enqueue(conn, self.table, job.task, job.payload, **options)
+
+
+class Registry:
+    """The tasks one application knows, and the queue table they go to."""
+
+    def __init__(self, table: Table | None = None) -> None:
+        if table is None:
+            from . import jobs
+
+            table = jobs
+        self.table = table
+        self.tasks: dict[str, Task[Any, Any]] = {}
+
+    @overload
+    def task(self, fn: Callable[P, R]) -> Task[P, R]: ...
+
+    @overload
+    def task(
+        self,
+        fn: None = ...,
+        *,
+        name: str | None = ...,
+        queue: str = ...,
+        max_attempts: int = ...,
+        lease: timedelta = ...,
+        priority: int = ...,
+    ) -> Callable[[Callable[P, R]], Task[P, R]]: ...
+
+    def task(
+        self,
+        fn: Callable[P, R] | None = None,
+        *,
+        name: str | None = None,
+        queue: str = "default",
+        max_attempts: int = 5,
+        lease: timedelta = DEFAULT_LEASE,
+        priority: int = 0,
+    ) -> Task[P, R] | Callable[[Callable[P, R]], Task[P, R]]:
+        """Register a sync or `async def` function; usable bare or with options."""
+
+        def register(f: Callable[P, R]) -> Task[P, R]:
+            task_name = name or f"{f.__module__}.{f.__qualname__}"
+            if task_name in self.tasks:
+                raise ValueError(f"task {task_name!r} is registered twice")
+            if lease <= timedelta(0):
+                raise ValueError(f"lease must be positive, got {lease}")
+            registered: Task[P, R] = Task(
+                f,
+                name=task_name,
+                queue=queue,
+                max_attempts=max_attempts,
+                lease=lease,
+                priority=priority,
+                table=self.table,
+            )
+            self.tasks[task_name] = registered
+            return registered
+
+        return register if fn is None else register(fn)
+
+    def get(self, name: str | None) -> Task[Any, Any] | None:
+        return None if name is None else self.tasks.get(name)
+
+    def require(self, name: str) -> Task[Any, Any]:
+        found = self.get(name)
+        if found is None:
+            known = ", ".join(sorted(self.tasks)) or "none"
+            raise InvalidJob(f"unknown task {name!r} (registered: {known})")
+        return found
+
+    @property
+    def queues(self) -> list[str]:
+        return sorted({t.queue for t in self.tasks.values()})
+
+    @overload
+    def enqueue_many(
+        self, conn: client.Executor, task_name: str, calls: Iterable[Mapping[str, Any]]
+    ) -> list[int]: ...
+
+    @overload
+    def enqueue_many(
+        self, conn: client.AsyncExecutor, task_name: str, calls: Iterable[Mapping[str, Any]]
+    ) -> Awaitable[list[int]]: ...
+
+    def enqueue_many(
+        self,
+        conn: client.Executor | client.AsyncExecutor,
+        task_name: str,
+        calls: Iterable[Mapping[str, Any]],
+    ) -> list[int] | Awaitable[list[int]]:
+        """Enqueue one job per keyword-argument mapping, ids in input order."""
+        task = self.require(task_name)
+        rows = [task.new_job(kwargs) for kwargs in calls]
+        if isinstance(conn, AsyncConnection | AsyncSession):
+            return client.enqueue_many_async(conn, self.table, rows)
+        return client.enqueue_many(conn, self.table, rows)
+
+
+def load_registry(spec: str) -> Registry:
+    """Import `MODULE:ATTR` and return the Registry it names."""
+    import importlib
+
+    from .errors import UsageError
+
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise UsageError(f"expected MODULE:ATTR naming a Registry, got {spec!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise UsageError(f"cannot import module {module_name!r}: {exc}") from None
+    found = getattr(module, attr, None)
+    if not isinstance(found, Registry):
+        what = "nothing" if found is None else type(found).__name__
+        raise UsageError(f"{spec} is {what}, not a sqla_jobq Registry")
+    return found

@@ -1,0 +1,181 @@
+"""The jobs table as SQLAlchemy Core metadata.
+
+Every name the database knows (indexes, constraints, trigger, function, NOTIFY
+channel) is derived here from the table's name and schema, in one place, so two
+queues can live side by side in one database and the migrations, the
+statements and the worker always agree on what they are called.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sqlalchemy import (
+    BigInteger,
+    CheckConstraint,
+    Column,
+    Identity,
+    Index,
+    Integer,
+    MetaData,
+    Table,
+    Text,
+    func,
+    text,
+)
+from sqlalchemy.dialects.postgresql import JSONB, TIMESTAMP
+
+STATUSES = ("queued", "running", "done", "failed")
+MAX_IDENTIFIER_BYTES = 63
+UNIQUE_WHERE = "unique_key IS NOT NULL AND status IN ('queued', 'running')"
+
+# The schema version this code needs. The migrations record the version they
+# applied as the table's comment (as Oban does), so a worker can refuse to run
+# on a missing or outdated table, and a custom-named table carries its own.
+SCHEMA_VERSION = 1
+_COMMENT_PREFIX = "sqla_jobq schema version "
+
+
+def version_comment(version: int) -> str:
+    return f"{_COMMENT_PREFIX}{version}"
+
+
+def parse_version_comment(comment: str | None) -> int | None:
+    if comment is None or not comment.startswith(_COMMENT_PREFIX):
+        return None
+    tail = comment.removeprefix(_COMMENT_PREFIX)
+    return int(tail) if tail.isdigit() else None
+
+
+@dataclass(frozen=True)
+class Names:
+    """Database object names of one queue table."""
+
+    table: str
+    schema: str | None
+
+    def __post_init__(self) -> None:
+        for part in (self.table, self.schema):
+            if part is None:
+                continue
+            if not part or "\x00" in part or len(part.encode()) > MAX_IDENTIFIER_BYTES - 16:
+                raise ValueError(
+                    f"invalid queue table name {part!r}: use 1 to "
+                    f"{MAX_IDENTIFIER_BYTES - 16} bytes and no NUL"
+                )
+
+    @property
+    def qualified(self) -> str:
+        """The table's quoted, schema-qualified name, ready to splice into SQL."""
+        return qualify(self.schema, self.table)
+
+    @property
+    def ready_index(self) -> str:
+        """Partial index on the classic `(queue, run_at)`, serving hand-written claims."""
+        return f"{self.table}_ready_idx"
+
+    @property
+    def claim_index(self) -> str:
+        """Partial index in the exact order `claim` walks: priority first."""
+        return f"{self.table}_claim_idx"
+
+    @property
+    def running_index(self) -> str:
+        """Partial index on the leases of running jobs, for the reaper."""
+        return f"{self.table}_running_idx"
+
+    @property
+    def unique_index(self) -> str:
+        return f"{self.table}_unique_key_idx"
+
+    @property
+    def status_check(self) -> str:
+        return f"{self.table}_status_check"
+
+    @property
+    def notify_function(self) -> str:
+        return f"{self.table}_notify"
+
+    @property
+    def notify_trigger(self) -> str:
+        return f"{self.table}_notify"
+
+    @property
+    def channel(self) -> str:
+        """NOTIFY channel: the table name, schema-qualified when a schema is given."""
+        return self.table if self.schema is None else f"{self.schema}.{self.table}"
+
+
+def quote_ident(name: str) -> str:
+    """Quote an identifier the way PostgreSQL's quote_ident does, always."""
+    return '"' + name.replace('"', '""') + '"'
+
+
+def quote_literal(value: str) -> str:
+    return "'" + value.replace("'", "''") + "'"
+
+
+def qualify(schema: str | None, name: str) -> str:
+    return quote_ident(name) if schema is None else f"{quote_ident(schema)}.{quote_ident(name)}"
+
+
+def names_of(table: Table) -> Names:
+    return Names(table.name, table.schema)
+
+
+def jobs_table(metadata: MetaData, name: str = "jobs", schema: str | None = None) -> Table:
+    """Build the jobs table on the caller's metadata.
+
+    The host app's own `MetaData` may carry it, so its models and the queue
+    share one engine and one transaction. Columns beyond the classic schema all
+    have defaults: `INSERT INTO jobs (payload) VALUES (...)` keeps working.
+    """
+    names = Names(name, schema)
+    status_in = ", ".join(f"'{s}'" for s in STATUSES)
+    return Table(
+        name,
+        metadata,
+        Column("id", BigInteger, Identity(always=True), primary_key=True),
+        Column("queue", Text, nullable=False, server_default=text("'default'")),
+        Column("payload", JSONB, nullable=False),
+        Column("status", Text, nullable=False, server_default=text("'queued'")),
+        Column("run_at", TIMESTAMP(timezone=True), nullable=False, server_default=func.now()),
+        Column("attempts", Integer, nullable=False, server_default=text("0")),
+        Column("max_attempts", Integer, nullable=False, server_default=text("5")),
+        Column("locked_until", TIMESTAMP(timezone=True)),
+        Column("last_error", Text),
+        Column("created_at", TIMESTAMP(timezone=True), nullable=False, server_default=func.now()),
+        Column("task", Text),
+        Column("priority", Integer, nullable=False, server_default=text("0")),
+        Column("unique_key", Text),
+        Column("started_at", TIMESTAMP(timezone=True)),
+        Column("finished_at", TIMESTAMP(timezone=True)),
+        CheckConstraint(f"status IN ({status_in})", name=names.status_check),
+        Index(
+            names.ready_index,
+            "queue",
+            "run_at",
+            postgresql_where=text("status = 'queued'"),
+        ),
+        Index(
+            names.claim_index,
+            text("queue"),
+            text("priority DESC"),
+            text("run_at"),
+            text("id"),
+            postgresql_where=text("status = 'queued'"),
+        ),
+        Index(
+            names.running_index,
+            "locked_until",
+            postgresql_where=text("status = 'running'"),
+        ),
+        Index(
+            names.unique_index,
+            "unique_key",
+            unique=True,
+            postgresql_where=text(UNIQUE_WHERE),
+        ),
+        schema=schema,
+        comment=version_comment(SCHEMA_VERSION),
+    )

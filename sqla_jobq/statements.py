@@ -1,0 +1,543 @@
+"""Pure builders for every statement of a job's life.
+
+Each function returns a SQLAlchemy Core construct and executes nothing: the
+caller runs it on its own `Connection`, `Session` or their async twins, inside
+its own transaction. That is what makes `enqueue` transactional with the app's
+data, and what lets the worker run a claim or a completion as one atomic
+statement with no transaction wrapped around it.
+
+The invariant everything here rests on
+--------------------------------------
+`attempts` is the fencing token. A claim increments it; nothing ever lowers it
+or resets it (a manual `retry` raises `max_attempts` instead). Every statement
+a worker runs after claiming (`complete`, `fail`, `extend_lease`, `release`) is
+fenced by ``WHERE id = :id AND status = 'running' AND attempts = :attempts``,
+so a worker whose lease expired and whose job was reaped and claimed again can
+change nothing: its statement matches 0 rows, and 0 rows means "stop, this job
+is no longer yours".
+
+Status literals are rendered inline, never as bind parameters: a partial index
+(``WHERE status = 'queued'``) can only serve a query whose predicate provably
+implies it, which a parameter does not once the statement is prepared.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    ColumnElement,
+    CompoundSelect,
+    Delete,
+    Integer,
+    Interval,
+    Select,
+    Table,
+    Text,
+    TextClause,
+    Update,
+    and_,
+    any_,
+    bindparam,
+    case,
+    cast,
+    func,
+    literal_column,
+    null,
+    select,
+    text,
+    update,
+)
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB, TIMESTAMP
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.sql.dml import ReturningInsert
+
+from .schema import STATUSES, UNIQUE_WHERE, names_of
+
+DEFAULT_LEASE = timedelta(minutes=5)
+BACKOFF_BASE = "interval '10 seconds'"
+BACKOFF_CAP = "interval '1 hour'"
+# 10 s * 2^20 is four months, far past the one-hour cap; capping the exponent
+# keeps a huge max_attempts from overflowing the interval arithmetic.
+BACKOFF_MAX_EXPONENT = 20
+ACTIVE_STATUSES = ("queued", "running")
+FINISHED_STATUSES = ("done", "failed")
+
+Queues = str | Sequence[str]
+
+
+class InvalidJob(ValueError):
+    """A job refused before anything reached the database."""
+
+
+@dataclass(frozen=True)
+class NewJob:
+    """One row for `enqueue_many`."""
+
+    task: str | None
+    payload: Any = field(default_factory=dict)
+    queue: str = "default"
+    run_at: datetime | None = None
+    delay: timedelta | None = None
+    priority: int = 0
+    max_attempts: int = 5
+    unique_key: str | None = None
+
+
+def status_is(column: ColumnElement[Any], status: str) -> ColumnElement[bool]:
+    """`status = 'literal'`, inline so partial indexes stay usable when prepared."""
+    if status not in STATUSES:
+        raise ValueError(f"unknown status {status!r}")
+    return column == literal_column(f"'{status}'", Text)
+
+
+def _status_literal(status: str) -> ColumnElement[str]:
+    return literal_column(f"'{status}'", Text)
+
+
+def _queue_filter(column: ColumnElement[str], queue: Queues) -> ColumnElement[bool]:
+    if isinstance(queue, str):
+        return column == bindparam("queue", _text("queue", queue), type_=Text)
+    queues = [_text("queue", q) for q in queue]
+    if not queues:
+        raise InvalidJob("at least one queue name is required")
+    return column == any_(bindparam("queues", queues, type_=ARRAY(Text)))
+
+
+def _text(what: str, value: str) -> str:
+    if not isinstance(value, str):
+        raise InvalidJob(f"{what} must be a string, not {type(value).__name__}")
+    if "\x00" in value:
+        raise InvalidJob(f"{what} contains a NUL character, which PostgreSQL text cannot store")
+    return value
+
+
+def encode_payload(payload: Any) -> str:
+    """Serialise a payload as strict JSON, refusing what jsonb would refuse."""
+    try:
+        encoded = json.dumps(payload, allow_nan=False, separators=(",", ":"))
+    except (TypeError, ValueError) as exc:
+        raise InvalidJob(f"payload is not JSON-serialisable: {exc}") from None
+    if "\\u0000" in encoded:
+        raise InvalidJob("payload contains a NUL character (\\u0000), which jsonb cannot store")
+    return encoded
+
+
+def _check_schedule(run_at: datetime | None, delay: timedelta | None) -> None:
+    if run_at is not None and delay is not None:
+        raise InvalidJob("give run_at or delay, not both")
+    if run_at is not None and run_at.tzinfo is None:
+        raise InvalidJob("run_at must be timezone-aware (e.g. datetime.now(timezone.utc))")
+    if delay is not None and delay < timedelta(0):
+        raise InvalidJob(f"delay must not be negative, got {delay}")
+
+
+def _check_counts(priority: int, max_attempts: int) -> None:
+    for what, value in (("priority", priority), ("max_attempts", max_attempts)):
+        if isinstance(value, bool) or not isinstance(value, int) or abs(value) >= 2**31:
+            raise InvalidJob(f"{what} must be a 32-bit integer, got {value!r}")
+    if max_attempts < 1:
+        raise InvalidJob(f"max_attempts must be at least 1, got {max_attempts}")
+
+
+def _check_job(job: NewJob) -> str:
+    if job.task is not None:
+        _text("task name", job.task)
+    _text("queue", job.queue)
+    if job.unique_key is not None:
+        _text("unique_key", job.unique_key)
+    _check_schedule(job.run_at, job.delay)
+    _check_counts(job.priority, job.max_attempts)
+    return encode_payload(job.payload)
+
+
+def enqueue(
+    table: Table,
+    task: str | None,
+    payload: Any,
+    *,
+    queue: str = "default",
+    run_at: datetime | None = None,
+    delay: timedelta | None = None,
+    priority: int = 0,
+    max_attempts: int = 5,
+    unique_key: str | None = None,
+) -> ReturningInsert[tuple[int]] | CompoundSelect[tuple[int]]:
+    """One job; selects its id.
+
+    With a `unique_key`, a duplicate of a queued or running job inserts nothing
+    and selects the existing job's id (the partial unique index decides, so
+    there is no check-then-insert race). If the conflicting job was inserted by
+    a transaction that committed while this statement waited on it, the
+    statement's snapshot cannot see that job and selects no row: run it again.
+    """
+    job = NewJob(task, payload, queue, run_at, delay, priority, max_attempts, unique_key)
+    encoded = _check_job(job)
+    c = table.c
+    values: dict[str, Any] = {
+        "task": task,
+        "payload": cast(bindparam("payload", encoded, type_=Text), JSONB),
+        "queue": queue,
+        "priority": priority,
+        "max_attempts": max_attempts,
+        "unique_key": unique_key,
+    }
+    if run_at is not None:
+        values["run_at"] = run_at
+    elif delay is not None:
+        values["run_at"] = func.now() + bindparam("delay", delay, type_=Interval)
+    insert = pg_insert(table).values(**values)
+    if unique_key is None:
+        return insert.returning(c.id)
+    inserted = (
+        insert.on_conflict_do_nothing(index_elements=[c.unique_key], index_where=text(UNIQUE_WHERE))
+        .returning(c.id)
+        .cte("inserted")
+    )
+    existing = select(c.id).where(
+        c.unique_key == unique_key, c.status.in_([_status_literal(s) for s in ACTIVE_STATUSES])
+    )
+    return select(inserted.c.id).union_all(existing).limit(1)
+
+
+def enqueue_many(table: Table, rows: Iterable[NewJob]) -> TextClause:
+    """Many jobs in one statement; selects one id per row, in input order.
+
+    The rows travel as one array per column and are unnested server-side, so a
+    page of thousands costs one round trip and one NOTIFY per queue. A row
+    whose `unique_key` matches a queued or running job (or an earlier row of
+    the same call) selects that job's id instead of inserting.
+    """
+    rows = list(rows)
+    encoded = [_check_job(row) for row in rows]
+    names = names_of(table)
+    sql = f"""
+WITH input AS (
+  SELECT * FROM unnest(
+    CAST(:task AS text[]), CAST(:payload AS text[]), CAST(:queue AS text[]),
+    CAST(:run_at AS timestamptz[]), CAST(:delay AS interval[]),
+    CAST(:priority AS int[]), CAST(:max_attempts AS int[]), CAST(:unique_key AS text[])
+  ) WITH ORDINALITY AS r(task, payload, queue, run_at, delay, priority, max_attempts,
+                         unique_key, ord)
+),
+inserted AS (
+  INSERT INTO {names.qualified}
+    (task, payload, queue, run_at, priority, max_attempts, unique_key)
+  SELECT task, payload::jsonb, queue, coalesce(run_at, now() + coalesce(delay, interval '0')),
+         priority, max_attempts, unique_key
+  FROM input ORDER BY ord
+  ON CONFLICT (unique_key) WHERE {UNIQUE_WHERE} DO NOTHING
+  RETURNING id, unique_key
+),
+plain_in AS (
+  SELECT ord, row_number() OVER (ORDER BY ord) AS n FROM input WHERE unique_key IS NULL
+),
+plain_out AS (
+  SELECT id, row_number() OVER (ORDER BY id) AS n FROM inserted WHERE unique_key IS NULL
+)
+SELECT coalesce(keyed.id, plain_out.id) AS id
+FROM input
+LEFT JOIN plain_in USING (ord)
+LEFT JOIN plain_out USING (n)
+LEFT JOIN LATERAL (
+  SELECT id FROM inserted WHERE inserted.unique_key = input.unique_key
+  UNION ALL
+  SELECT id FROM {names.qualified} j
+  WHERE j.unique_key = input.unique_key AND j.status IN ('queued', 'running')
+  LIMIT 1
+) keyed ON input.unique_key IS NOT NULL
+ORDER BY input.ord
+"""
+    return (
+        text(sql)
+        .bindparams(
+            bindparam("task", [r.task for r in rows], type_=ARRAY(Text)),
+            bindparam("payload", encoded, type_=ARRAY(Text)),
+            bindparam("queue", [r.queue for r in rows], type_=ARRAY(Text)),
+            bindparam("run_at", [r.run_at for r in rows], type_=ARRAY(TIMESTAMP(timezone=True))),
+            bindparam("delay", [r.delay for r in rows], type_=ARRAY(Interval)),
+            bindparam("priority", [r.priority for r in rows], type_=ARRAY(Integer)),
+            bindparam("max_attempts", [r.max_attempts for r in rows], type_=ARRAY(Integer)),
+            bindparam("unique_key", [r.unique_key for r in rows], type_=ARRAY(Text)),
+        )
+        .columns(id=BigInteger)
+    )
+
+
+def claim_columns(table: Table) -> tuple[ColumnElement[Any], ...]:
+    c = table.c
+    return (c.id, c.task, c.queue, c.payload, c.attempts, c.max_attempts, c.locked_until)
+
+
+def claim(
+    table: Table,
+    *,
+    queue: Queues = "default",
+    limit: int = 10,
+    lease: timedelta = DEFAULT_LEASE,
+) -> Update:
+    """Lease up to `limit` ready jobs to the caller: the only way to take work.
+
+    The CTE locks the rows it picks with FOR UPDATE SKIP LOCKED, so concurrent
+    claimers never wait on each other and never take the same row; the UPDATE
+    marks them running, bumps the fencing token and writes the lease. Commit at
+    once (or run it in autocommit): the lease, not an open transaction, is
+    what keeps the job yours while it runs.
+    """
+    if limit < 1:
+        raise ValueError(f"limit must be at least 1, got {limit}")
+    c = table.c
+    ready = (
+        select(c.id)
+        .where(
+            _queue_filter(c.queue, queue),
+            status_is(c.status, "queued"),
+            c.run_at <= func.now(),
+        )
+        .order_by(c.priority.desc(), c.run_at, c.id)
+        .limit(bindparam("limit", limit, type_=Integer))
+        .with_for_update(skip_locked=True)
+        .cte("next")
+    )
+    return (
+        update(table)
+        .where(c.id == ready.c.id)
+        .values(
+            status=_status_literal("running"),
+            attempts=c.attempts + 1,
+            locked_until=func.now() + bindparam("lease", lease, type_=Interval),
+            started_at=func.now(),
+        )
+        .returning(*claim_columns(table))
+    )
+
+
+def _fence(table: Table, job_id: int, attempts: int) -> tuple[ColumnElement[bool], ...]:
+    c = table.c
+    return (
+        c.id == bindparam("id", job_id, type_=BigInteger),
+        status_is(c.status, "running"),
+        c.attempts == bindparam("attempts", attempts, type_=Integer),
+    )
+
+
+def complete(table: Table, id: int, attempts: int) -> Update:
+    """Mark a job done, if it is still ours (row count 1) and not otherwise (0)."""
+    return (
+        update(table)
+        .where(*_fence(table, id, attempts))
+        .values(status=_status_literal("done"), locked_until=null(), finished_at=func.now())
+    )
+
+
+def _owned_rows(ids: Sequence[int], attempts: Sequence[int]) -> Any:
+    return (
+        func.unnest(
+            bindparam("ids", list(ids), type_=ARRAY(BigInteger)),
+            bindparam("attempts", list(attempts), type_=ARRAY(Integer)),
+        )
+        .table_valued("id", "attempts")
+        .render_derived(name="owned")
+    )
+
+
+def _fence_many(table: Table, owned: Any) -> tuple[ColumnElement[bool], ...]:
+    c = table.c
+    return (c.id == owned.c.id, status_is(c.status, "running"), c.attempts == owned.c.attempts)
+
+
+def complete_many(table: Table, jobs: Sequence[tuple[int, int]]) -> Update:
+    """`complete` for a batch of `(id, attempts)` pairs in one round trip.
+
+    Returns the ids that were still ours; the others had been taken away.
+    """
+    owned = _owned_rows([j[0] for j in jobs], [j[1] for j in jobs])
+    return (
+        update(table)
+        .where(*_fence_many(table, owned))
+        .values(status=_status_literal("done"), locked_until=null(), finished_at=func.now())
+        .returning(table.c.id)
+    )
+
+
+def _backoff(table: Table) -> ColumnElement[Any]:
+    exponent = func.least(table.c.attempts, BACKOFF_MAX_EXPONENT)
+    step = literal_column(BACKOFF_BASE, Interval) * func.power(2, exponent)
+    return func.now() + func.least(literal_column(BACKOFF_CAP, Interval), step)
+
+
+def fail(table: Table, id: int, attempts: int, error: str) -> Update:
+    """Record a failed attempt: retry after 10 s * 2^attempts (at most 1 h), or
+    give up as `failed` once `attempts >= max_attempts`. `last_error` is kept
+    either way. Returns the row's new status and run_at if it was still ours.
+    """
+    c = table.c
+    final = c.attempts >= c.max_attempts
+    return (
+        update(table)
+        .where(*_fence(table, id, attempts))
+        .values(
+            status=case((final, _status_literal("failed")), else_=_status_literal("queued")),
+            run_at=case((final, c.run_at), else_=_backoff(table)),
+            locked_until=null(),
+            finished_at=case((final, func.now()), else_=null()),
+            last_error=bindparam("error", _text("error", error).replace("\x00", ""), type_=Text),
+        )
+        .returning(c.id, c.status, c.attempts, c.run_at)
+    )
+
+
+def extend_lease(table: Table, id: int, attempts: int, lease: timedelta = DEFAULT_LEASE) -> Update:
+    """Push the lease of a job still running; 0 rows means it is no longer ours."""
+    return (
+        update(table)
+        .where(*_fence(table, id, attempts))
+        .values(locked_until=func.now() + bindparam("lease", lease, type_=Interval))
+    )
+
+
+def extend_leases(table: Table, jobs: Sequence[tuple[int, int]], lease: timedelta) -> Update:
+    """`extend_lease` for a batch; returns the ids that were still ours."""
+    owned = _owned_rows([j[0] for j in jobs], [j[1] for j in jobs])
+    return (
+        update(table)
+        .where(*_fence_many(table, owned))
+        .values(locked_until=func.now() + bindparam("lease", lease, type_=Interval))
+        .returning(table.c.id)
+    )
+
+
+def release(table: Table, id: int, attempts: int) -> Update:
+    """Hand a job back to the queue unfinished (a worker shutting down).
+
+    `attempts` stays as it is: the interrupted attempt counts, and the fencing
+    token must never go down.
+    """
+    return (
+        update(table)
+        .where(*_fence(table, id, attempts))
+        .values(status=_status_literal("queued"), locked_until=null(), run_at=func.now())
+    )
+
+
+def reap(table: Table) -> Update:
+    """Return jobs whose lease expired (their worker died or stalled).
+
+    Honours `max_attempts`, so a job that kills its worker every time ends
+    `failed` instead of coming back forever. Safe to run from many workers at
+    once: a row that another reaper or a finisher changed first no longer
+    matches when this statement re-checks it.
+    """
+    c = table.c
+    final = c.attempts >= c.max_attempts
+    return (
+        update(table)
+        .where(status_is(c.status, "running"), c.locked_until < func.now())
+        .values(
+            status=case((final, _status_literal("failed")), else_=_status_literal("queued")),
+            locked_until=null(),
+            finished_at=case((final, func.now()), else_=null()),
+            last_error=func.coalesce(c.last_error, literal_column("'lease expired'", Text)),
+        )
+        .returning(c.id, c.status, c.attempts)
+    )
+
+
+def retry(table: Table, id: int) -> Update:
+    """Send a failed job back to the queue now, granting it one more attempt.
+
+    It raises `max_attempts` instead of resetting `attempts`: see the fencing
+    invariant at the top of this module.
+    """
+    c = table.c
+    return (
+        update(table)
+        .where(c.id == bindparam("id", id, type_=BigInteger), status_is(c.status, "failed"))
+        .values(
+            status=_status_literal("queued"),
+            run_at=func.now(),
+            max_attempts=func.greatest(c.max_attempts, c.attempts + 1),
+            locked_until=null(),
+            finished_at=null(),
+        )
+        .returning(c.id, c.attempts, c.max_attempts)
+    )
+
+
+def cancel(table: Table, id: int) -> Update:
+    """Take a queued job out of the queue as `failed` with `last_error = 'cancelled'`."""
+    c = table.c
+    return (
+        update(table)
+        .where(c.id == bindparam("id", id, type_=BigInteger), status_is(c.status, "queued"))
+        .values(
+            status=_status_literal("failed"),
+            last_error=literal_column("'cancelled'", Text),
+            finished_at=func.now(),
+        )
+        .returning(c.id)
+    )
+
+
+def prune(
+    table: Table,
+    *,
+    older_than: timedelta,
+    limit: int = 10000,
+    statuses: Sequence[str] = FINISHED_STATUSES,
+) -> Delete:
+    """Delete one batch of finished jobs; loop until it deletes nothing.
+
+    Small batches keep each transaction short, so pruning itself never holds
+    VACUUM back. Rows finished by hand-written SQL that left `finished_at`
+    empty are aged by `created_at`.
+    """
+    bad = [s for s in statuses if s not in FINISHED_STATUSES]
+    if bad or not statuses:
+        raise InvalidJob(f"prune removes only finished jobs (done, failed), not {bad or 'nothing'}")
+    if older_than < timedelta(0):
+        raise InvalidJob(f"older_than must not be negative, got {older_than}")
+    c = table.c
+    finished = func.coalesce(c.finished_at, c.created_at)
+    victims = (
+        select(c.id)
+        .where(
+            c.status.in_([_status_literal(s) for s in statuses]),
+            finished < func.now() - bindparam("older_than", older_than, type_=Interval),
+        )
+        .limit(bindparam("limit", limit, type_=Integer))
+    )
+    return table.delete().where(c.id.in_(victims.scalar_subquery()))
+
+
+def next_run_at(table: Table, *, queue: Queues = "default") -> Select[tuple[datetime | None]]:
+    """When the earliest queued job becomes ready, so an idle worker can sleep until then."""
+    c = table.c
+    return select(func.min(c.run_at)).where(
+        _queue_filter(c.queue, queue), status_is(c.status, "queued")
+    )
+
+
+def stats(table: Table) -> Select[Any]:
+    """Per queue and status: count, oldest ready job's age (s), expired leases."""
+    c = table.c
+    ready = and_(status_is(c.status, "queued"), c.run_at <= func.now())
+    expired = and_(status_is(c.status, "running"), c.locked_until < func.now())
+    return (
+        select(
+            c.queue,
+            c.status,
+            func.count().label("count"),
+            func.extract("epoch", func.now() - func.min(c.run_at).filter(ready)).label(
+                "oldest_ready_age"
+            ),
+            func.count().filter(expired).label("expired_leases"),
+        )
+        .group_by(c.queue, c.status)
+        .order_by(c.queue, c.status)
+    )
