@@ -7,4 +7,6 @@ from .schema import jobs_table
 metadata = MetaData()
 jobs = jobs_table(metadata)
 
-__all__ = ["jobs", "jobs_table", "metadata"]
+from .registry import Job, Registry, Task, current_job  # noqa: E402
+
+__all__ = ["Job", "Registry", "Task", "current_job", "jobs", "jobs_table", "metadata"]

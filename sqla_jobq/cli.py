@@ -179,7 +179,9 @@ def enqueue(
 
 @app.command()
 @friendly
-def stats(database_url: DatabaseUrl = None, table: TableName = "jobs", as_json: AsJson = False) -> None:
+def stats(
+    database_url: DatabaseUrl = None, table: TableName = "jobs", as_json: AsJson = False
+) -> None:
     """Jobs per queue and status, the oldest ready job's age, expired leases."""
     target = parse_table(table)
     with checked(database_url, target) as conn:
@@ -276,6 +278,95 @@ def cancel(
     _one_job(
         database_url, table, lambda t: statements.cancel(t, job_id), f"no queued job {job_id}"
     )
+
+
+@app.command()
+@friendly
+def worker(
+    app_spec: Annotated[str, typer.Argument(metavar="MODULE:ATTR", help="The tasks' Registry.")],
+    database_url: DatabaseUrl = None,
+    listen_url: Annotated[
+        str | None,
+        typer.Option(
+            envvar="JOBQ_LISTEN_URL",
+            help="Direct connection for LISTEN when --database-url goes through a pooler.",
+        ),
+    ] = None,
+    queue: Annotated[
+        list[str] | None,
+        typer.Option("--queue", "-q", envvar="JOBQ_QUEUES", help="Queue to work (repeatable)."),
+    ] = None,
+    concurrency: Annotated[
+        int, typer.Option("--concurrency", "-c", envvar="JOBQ_CONCURRENCY", help="Jobs at once.")
+    ] = 10,
+    burst: Annotated[
+        bool, typer.Option(envvar="JOBQ_BURST", help="Work every ready job, then exit 0.")
+    ] = False,
+    poll_interval: Annotated[
+        float,
+        typer.Option(
+            envvar="JOBQ_POLL_INTERVAL", help="Fallback poll, seconds (LISTEN wakes earlier)."
+        ),
+    ] = 5.0,
+    shutdown_timeout: Annotated[
+        float,
+        typer.Option(envvar="JOBQ_SHUTDOWN_TIMEOUT", help="Seconds running jobs get on SIGTERM."),
+    ] = 30.0,
+    reap_interval: Annotated[
+        float, typer.Option(envvar="JOBQ_REAP_INTERVAL", help="Seconds between reaper runs.")
+    ] = 30.0,
+    prepared: Annotated[
+        bool,
+        typer.Option(
+            envvar="JOBQ_PREPARED",
+            help="Server-side prepared statements (turn off behind PgBouncer < 1.21).",
+        ),
+    ] = True,
+    log_level: Annotated[
+        str, typer.Option(envvar="JOBQ_LOG_LEVEL", help="DEBUG, INFO, WARNING.")
+    ] = "INFO",
+) -> None:
+    """Run the tasks of MODULE:ATTR: claim, execute, complete, retry, reap."""
+    import asyncio
+    import logging
+    import os
+    import threading
+
+    from .registry import load_registry
+    from .worker import Worker, WorkerOptions
+
+    level = logging.getLevelName(log_level.upper())
+    if not isinstance(level, int):
+        raise UsageError(f"unknown --log-level {log_level!r}: use DEBUG, INFO, WARNING or ERROR")
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        options = WorkerOptions(
+            database_url=require_url(database_url),
+            listen_url=sqlalchemy_url(listen_url) if listen_url else None,
+            queues=queue or (),
+            concurrency=concurrency,
+            burst=burst,
+            poll_interval=poll_interval,
+            shutdown_timeout=shutdown_timeout,
+            reap_interval=reap_interval,
+            prepared=prepared,
+        )
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    registry = load_registry(app_spec)
+    engine = make_engine(options.database_url)
+    try:
+        with engine.connect() as conn:
+            check_schema(conn, registry.table)
+    finally:
+        engine.dispose()
+    code = asyncio.run(Worker(registry, options).run())
+    logging.shutdown()
+    if threading.active_count() > 1:
+        # A sync handler still running past the shutdown timeout: its job was
+        # handed back already, and a thread cannot be stopped, so leave now.
+        os._exit(code)
+    raise typer.Exit(code)
 
 
 def main() -> None:

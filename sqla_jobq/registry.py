@@ -269,8 +269,15 @@ class Registry:
 def load_registry(spec: str) -> Registry:
     """Import `MODULE:ATTR` and return the Registry it names."""
     import importlib
+    import os
+    import sys
 
     from .errors import UsageError
+
+    # Like uvicorn and celery: `jobq worker app.tasks:registry` run from the
+    # project directory finds `app` without installing it.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
 
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:

@@ -39,7 +39,7 @@ from sqlalchemy import (
     Select,
     Table,
     Text,
-    TextClause,
+    TextualSelect,
     Update,
     and_,
     any_,
@@ -117,6 +117,12 @@ def _text(what: str, value: str) -> str:
     return value
 
 
+def _error_text(error: str) -> str:
+    if not isinstance(error, str):
+        raise InvalidJob(f"error must be a string, not {type(error).__name__}")
+    return error.replace("\x00", "")
+
+
 def encode_payload(payload: Any) -> str:
     """Serialise a payload as strict JSON, refusing what jsonb would refuse."""
     try:
@@ -167,7 +173,7 @@ def enqueue(
     priority: int = 0,
     max_attempts: int = 5,
     unique_key: str | None = None,
-) -> ReturningInsert[tuple[int]] | CompoundSelect[tuple[int]]:
+) -> ReturningInsert[Any] | CompoundSelect[Any]:
     """One job; selects its id.
 
     With a `unique_key`, a duplicate of a queued or running job inserts nothing
@@ -205,7 +211,7 @@ def enqueue(
     return select(inserted.c.id).union_all(existing).limit(1)
 
 
-def enqueue_many(table: Table, rows: Iterable[NewJob]) -> TextClause:
+def enqueue_many(table: Table, rows: Iterable[NewJob]) -> TextualSelect:
     """Many jobs in one statement; selects one id per row, in input order.
 
     The rows travel as one array per column and are unnested server-side, so a
@@ -386,9 +392,11 @@ def fail(table: Table, id: int, attempts: int, error: str) -> Update:
             run_at=case((final, c.run_at), else_=_backoff(table)),
             locked_until=null(),
             finished_at=case((final, func.now()), else_=null()),
-            last_error=bindparam("error", _text("error", error).replace("\x00", ""), type_=Text),
+            # An exception's text may hold NUL, which text cannot store: strip it
+            # (refusing it would make a failing job impossible to record).
+            last_error=bindparam("error", _error_text(error), type_=Text),
         )
-        .returning(c.id, c.status, c.attempts, c.run_at)
+        .returning(c.id, c.status, c.attempts, c.run_at, (c.run_at - func.now()).label("retry_in"))
     )
 
 
@@ -515,10 +523,11 @@ def prune(
     return table.delete().where(c.id.in_(victims.scalar_subquery()))
 
 
-def next_run_at(table: Table, *, queue: Queues = "default") -> Select[tuple[datetime | None]]:
-    """When the earliest queued job becomes ready, so an idle worker can sleep until then."""
+def next_run_at(table: Table, *, queue: Queues = "default") -> Select[Any, datetime]:
+    """When the earliest queued job becomes ready, and the server's `now()`, so
+    an idle worker can sleep until then without trusting its own clock."""
     c = table.c
-    return select(func.min(c.run_at)).where(
+    return select(func.min(c.run_at), func.now()).where(
         _queue_filter(c.queue, queue), status_is(c.status, "queued")
     )
 

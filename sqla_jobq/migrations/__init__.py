@@ -15,9 +15,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from alembic import op
 from sqlalchemy import Table, text
 from sqlalchemy.engine import Connection
+
+from alembic import op
 
 from ..schema import Names, parse_version_comment
 from .steps import LATEST, down_statements, up_statements
@@ -57,7 +58,12 @@ def check_schema(conn: Connection, table: Table) -> None:
     """Refuse to work on a missing or outdated queue table, naming the fix."""
     names = Names(table.name, table.schema)
     version = schema_version(conn, names)
-    if version == 0:
+    # Version 0 is also what a table without our comment reads as: say
+    # "does not exist" only when it truly does not.
+    exists = conn.execute(
+        text("SELECT to_regclass(:qualified) IS NOT NULL"), {"qualified": names.qualified}
+    ).scalar()
+    if not exists:
         raise SchemaError(
             f"the queue table {names.qualified} does not exist in this database: "
             "run `jobq migrate` (or `alembic upgrade head`) first"

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import os
 
-from alembic import context
 from sqlalchemy import create_engine, pool
+
+from alembic import context
 
 from ..db import sqlalchemy_url
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from alembic import command
 from alembic.config import Config
 from sqlalchemy import Table, create_engine, text
 from sqlalchemy.pool import NullPool
+
+from alembic import command
 
 from ..schema import Names
 from . import schema_version

@@ -1,0 +1,83 @@
+"""The LISTEN connection: a hint that jobs are ready, never the queue itself.
+
+Notifications arrive only at commit, only to sessions listening at that moment,
+and identical ones coalesce, so the worker treats each as "go and claim" and
+keeps a fallback poll. LISTEN belongs to a server session, so it needs a direct
+connection (a transaction-mode pooler would hand the session to someone else).
+When the connection drops, reconnect with backoff, LISTEN again, and wake the
+worker once to catch up on whatever was announced while nobody listened.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Collection
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from .db import conninfo
+from .driver import connect_kwargs
+
+log = logging.getLogger("sqla_jobq.notify")
+
+BACKOFF_START = 0.1
+BACKOFF_MAX = 5.0
+
+
+class Listener:
+    """Calls `wake()` on every notification for our queues, and after reconnecting."""
+
+    def __init__(
+        self, url: str, channel: str, queues: Collection[str], wake: Callable[[], None]
+    ) -> None:
+        self.url = conninfo(url)
+        self.channel = channel
+        self.queues = set(queues)
+        self.wake = wake
+        self.connected = asyncio.Event()
+        self._conn: psycopg.AsyncConnection[Any] | None = None
+
+    async def run(self) -> None:
+        """Listen until cancelled, reconnecting forever."""
+        delay = BACKOFF_START
+        first = True
+        while True:
+            try:
+                await self._listen(catch_up=not first)
+            except psycopg.Error as exc:
+                if self.connected.is_set():
+                    delay = BACKOFF_START
+                log.warning("LISTEN connection lost (%s); reconnecting in %.1fs", exc, delay)
+            self.connected.clear()
+            await self._close()
+            first = False
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, BACKOFF_MAX)
+
+    async def _listen(self, *, catch_up: bool) -> None:
+        self._conn = await psycopg.AsyncConnection.connect(
+            self.url, **connect_kwargs(prepared=False)
+        )
+        await self._conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))
+        self.connected.set()
+        log.debug("listening on channel %r", self.channel)
+        if catch_up:
+            log.info("LISTEN connection restored; claiming to catch up")
+            self.wake()
+        async for note in self._conn.notifies():
+            if note.payload in self.queues:
+                self.wake()
+
+    async def _close(self) -> None:
+        if self._conn is not None:
+            conn, self._conn = self._conn, None
+            try:
+                await conn.close()
+            except psycopg.Error:
+                log.debug("error closing the LISTEN connection", exc_info=True)
+
+    async def stop(self) -> None:
+        await self._close()
