@@ -72,8 +72,16 @@ def friendly(fn: F) -> F:
 
 
 def require_url(url: str | None) -> str:
+    """The URL given, or the embedded server for the literal `embedded` (never implied)."""
     if not url:
         raise UsageError("no database: pass --database-url or set JOBQ_DATABASE_URL")
+    if url == "embedded":
+        from .embedded import EmbeddedError, embedded_url
+
+        try:
+            url = embedded_url()
+        except EmbeddedError as exc:
+            raise UsageError(str(exc)) from None
     return sqlalchemy_url(url)
 
 
@@ -218,13 +226,17 @@ def prune(
     older_than: Annotated[str, typer.Option(help="Age, e.g. 7d, 12h, 30m.")] = "7d",
     status: Annotated[str, typer.Option(help="Comma-separated: done,failed.")] = "done,failed",
     batch_size: Annotated[int, typer.Option(min=1, max=10000)] = 10000,
+    to_archive: Annotated[
+        bool, typer.Option("--archive", help="Move them to TABLE_archive instead of deleting.")
+    ] = False,
     database_url: DatabaseUrl = None,
     table: TableName = "jobs",
 ) -> None:
-    """Delete finished jobs in batches, each batch its own short transaction."""
+    """Delete (or archive) finished jobs in batches, each batch its own short transaction."""
     target = parse_table(table)
     age = parse_duration(older_than)
-    stmt = statements.prune(
+    build = statements.archive if to_archive else statements.prune
+    stmt = build(
         target, older_than=age, limit=batch_size, statuses=[s.strip() for s in status.split(",")]
     )
     with checked(database_url, target):
@@ -240,7 +252,7 @@ def prune(
                 break
     finally:
         engine.dispose()
-    typer.echo(f"pruned {total} jobs")
+    typer.echo(f"archived {total} jobs" if to_archive else f"pruned {total} jobs")
 
 
 def _one_job(
@@ -322,6 +334,16 @@ def worker(
             help="Server-side prepared statements (turn off behind PgBouncer < 1.21).",
         ),
     ] = True,
+    prune_older_than: Annotated[
+        str | None,
+        typer.Option(
+            envvar="JOBQ_PRUNE_OLDER_THAN",
+            help="Also prune finished jobs older than this (e.g. 7d), in batches.",
+        ),
+    ] = None,
+    prune_interval: Annotated[
+        float, typer.Option(envvar="JOBQ_PRUNE_INTERVAL", help="Seconds between prune runs.")
+    ] = 3600.0,
     log_level: Annotated[
         str, typer.Option(envvar="JOBQ_LOG_LEVEL", help="DEBUG, INFO, WARNING.")
     ] = "INFO",
@@ -350,6 +372,8 @@ def worker(
             shutdown_timeout=shutdown_timeout,
             reap_interval=reap_interval,
             prepared=prepared,
+            prune_older_than=parse_duration(prune_older_than) if prune_older_than else None,
+            prune_interval=prune_interval,
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None
@@ -367,6 +391,50 @@ def worker(
         # handed back already, and a thread cannot be stopped, so leave now.
         os._exit(code)
     raise typer.Exit(code)
+
+
+@app.command()
+@friendly
+def demo(
+    jobs: Annotated[int, typer.Option(min=1, help="Jobs in each race.")] = 10_000,
+    workers: Annotated[int, typer.Option(min=1, max=64, help="Concurrent workers.")] = 8,
+    database_url: Annotated[
+        str | None,
+        typer.Option(
+            "--database-url",
+            envvar="JOBQ_DATABASE_URL",
+            help="PostgreSQL URL (default: the embedded server). Works in a scratch schema.",
+            show_default=False,
+        ),
+    ] = None,
+) -> None:
+    """The article's naive claim racing, SKIP LOCKED fixing it, and a lease running out."""
+    from .demo import RichScreen, run_demo
+
+    run_demo(
+        require_url(database_url or "embedded"), jobs=jobs, workers=workers, screen=RichScreen()
+    )
+
+
+@app.command("doctor")
+@friendly
+def doctor_command(
+    database_url: DatabaseUrl = None, table: TableName = "jobs", as_json: AsJson = False
+) -> None:
+    """Read-only health report: what holds VACUUM back, dead tuples, indexes, leases.
+
+    Exit status 0 when healthy, 1 when something needs attention (see docs/hygiene.md).
+    """
+    from .doctor import diagnose, render_text
+
+    target = parse_table(table)
+    engine = make_engine(database_url)
+    try:
+        report = diagnose(engine, target)
+    finally:
+        engine.dispose()
+    typer.echo(report.to_json() if as_json else render_text(report))
+    raise typer.Exit(report.exit_status)
 
 
 def main() -> None:

@@ -41,8 +41,20 @@ def enqueue_many(conn: Executor, table: Table, rows: Iterable[NewJob]) -> list[i
     ids: list[int] = []
     for start in range(0, len(rows), ENQUEUE_PAGE):
         page = rows[start : start + ENQUEUE_PAGE]
-        ids += [int(i) for i in conn.execute(statements.enqueue_many(table, page)).scalars()]
+        found = list(conn.execute(statements.enqueue_many(table, page)).scalars())
+        missing = [i for i, job_id in enumerate(found) if job_id is None]
+        if missing:  # as in `enqueue`: a duplicate committed while we waited
+            again = conn.execute(statements.enqueue_many(table, [page[i] for i in missing]))
+            for i, job_id in zip(missing, again.scalars(), strict=True):
+                found[i] = job_id
+        ids += _ids(found)
     return ids
+
+
+def _ids(found: list[Any]) -> list[int]:
+    if any(job_id is None for job_id in found):
+        raise RuntimeError("enqueue_many with unique_key found neither a new nor an existing job")
+    return [int(job_id) for job_id in found]
 
 
 async def enqueue_async(
@@ -65,6 +77,11 @@ async def enqueue_many_async(
     ids: list[int] = []
     for start in range(0, len(rows), ENQUEUE_PAGE):
         page = rows[start : start + ENQUEUE_PAGE]
-        result = await conn.execute(statements.enqueue_many(table, page))
-        ids += [int(i) for i in result.scalars()]
+        found = list((await conn.execute(statements.enqueue_many(table, page))).scalars())
+        missing = [i for i, job_id in enumerate(found) if job_id is None]
+        if missing:  # as in `enqueue`: a duplicate committed while we waited
+            again = await conn.execute(statements.enqueue_many(table, [page[i] for i in missing]))
+            for i, job_id in zip(missing, again.scalars(), strict=True):
+                found[i] = job_id
+        ids += _ids(found)
     return ids

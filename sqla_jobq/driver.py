@@ -96,6 +96,7 @@ class Driver:
             "release": Compiled.of(statements.release(table, 0, 0)),
             "reap": Compiled.of(statements.reap(table)),
             "next_run_at": Compiled.of(statements.next_run_at(table, queue=queue)),
+            "prune": Compiled.of(statements.prune(table, older_than=timedelta(0))),
         }
 
     async def _connection(self) -> psycopg.AsyncConnection[tuple[Any, ...]]:
@@ -153,6 +154,11 @@ class Driver:
     async def reap(self) -> list[tuple[int, str, int]]:
         cur = await self._run("reap")
         return [(row[0], row[1], row[2]) for row in await cur.fetchall()]
+
+    async def prune(self, older_than: timedelta, limit: int) -> int:
+        """One batch of finished jobs deleted, in its own (autocommit) transaction."""
+        cur = await self._run("prune", older_than=older_than, limit=limit)
+        return cur.rowcount
 
     async def seconds_until_next(self) -> float | None:
         """Seconds until the earliest queued job is due (server clock), or None."""

@@ -32,7 +32,10 @@ UNIQUE_WHERE = "unique_key IS NOT NULL AND status IN ('queued', 'running')"
 # The schema version this code needs. The migrations record the version they
 # applied as the table's comment (as Oban does), so a worker can refuse to run
 # on a missing or outdated table, and a custom-named table carries its own.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+# The version of the step that last changed the archive table's shape. Its
+# comment carries it, so a host's `include_object` recognises the archive too.
+ARCHIVE_VERSION = 2
 _COMMENT_PREFIX = "sqla_jobq schema version "
 
 
@@ -63,6 +66,12 @@ class Names:
                     f"invalid queue table name {part!r}: use 1 to "
                     f"{MAX_IDENTIFIER_BYTES - 16} bytes and no NUL"
                 )
+        # pg_notify refuses a channel name over 63 bytes, which would fail every enqueue.
+        if len(self.channel.encode()) > MAX_IDENTIFIER_BYTES:
+            raise ValueError(
+                f"invalid queue table name {self.channel!r}: schema and table together "
+                f"(the NOTIFY channel) must fit in {MAX_IDENTIFIER_BYTES} bytes"
+            )
 
     @property
     def qualified(self) -> str:
@@ -104,6 +113,24 @@ class Names:
     def channel(self) -> str:
         """NOTIFY channel: the table name, schema-qualified when a schema is given."""
         return self.table if self.schema is None else f"{self.schema}.{self.table}"
+
+    @property
+    def archive(self) -> str:
+        """Where `prune --archive` moves finished jobs (schema version 2)."""
+        return f"{self.table}_archive"
+
+    @property
+    def archive_qualified(self) -> str:
+        return qualify(self.schema, self.archive)
+
+    @property
+    def archive_pkey(self) -> str:
+        return f"{self.table}_archive_pkey"
+
+    @property
+    def archive_index(self) -> str:
+        """Index on `archived_at`, so the archive can be pruned in turn."""
+        return f"{self.table}_archived_at_idx"
 
 
 def quote_ident(name: str) -> str:
@@ -178,4 +205,32 @@ def jobs_table(metadata: MetaData, name: str = "jobs", schema: str | None = None
         ),
         schema=schema,
         comment=version_comment(SCHEMA_VERSION),
+    )
+
+
+def archive_table(metadata: MetaData, name: str = "jobs", schema: str | None = None) -> Table:
+    """Build the archive of the jobs table `name`: `<name>_archive`.
+
+    Kept apart from `jobs_table` so metadata that declares the queue table
+    alone still matches a database that also has the archive. Its columns are
+    the jobs table's, derived from it so the two cannot drift, but without
+    defaults, identity or status check: `archive` copies whole rows, ids
+    included. `archived_at` is the archive's own clock, indexed so the
+    archive can be pruned in turn.
+    """
+    names = Names(name, schema)
+    copied = [
+        Column(
+            c.name, c.type, nullable=c.nullable, primary_key=c.primary_key, autoincrement=False
+        )
+        for c in jobs_table(MetaData(), name, schema).columns
+    ]
+    return Table(
+        names.archive,
+        metadata,
+        *copied,
+        Column("archived_at", TIMESTAMP(timezone=True), nullable=False, server_default=func.now()),
+        Index(names.archive_index, "archived_at"),
+        schema=schema,
+        comment=version_comment(ARCHIVE_VERSION),
     )

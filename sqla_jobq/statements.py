@@ -24,6 +24,7 @@ implies it, which a parameter does not once the statement is prepared.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -34,8 +35,10 @@ from sqlalchemy import (
     ColumnElement,
     CompoundSelect,
     Delete,
+    Insert,
     Integer,
     Interval,
+    MetaData,
     Select,
     Table,
     Text,
@@ -47,6 +50,7 @@ from sqlalchemy import (
     case,
     cast,
     func,
+    insert,
     literal_column,
     null,
     select,
@@ -57,7 +61,7 @@ from sqlalchemy.dialects.postgresql import ARRAY, JSONB, TIMESTAMP
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.sql.dml import ReturningInsert
 
-from .schema import STATUSES, UNIQUE_WHERE, names_of
+from .schema import STATUSES, UNIQUE_WHERE, archive_table, names_of
 
 DEFAULT_LEASE = timedelta(minutes=5)
 BACKOFF_BASE = "interval '10 seconds'"
@@ -117,10 +121,27 @@ def _text(what: str, value: str) -> str:
     return value
 
 
+# Queue names travel as NOTIFY payloads (under 8000 bytes) and sit in btree
+# indexes with unique keys (entries of at most about 2.7 kB): refuse longer
+# ones here rather than fail inside the database, the transaction lost.
+MAX_KEY_BYTES = 1024
+
+
+def _short_text(what: str, value: str) -> str:
+    _text(what, value)
+    size = len(value.encode())
+    if size > MAX_KEY_BYTES:
+        raise InvalidJob(f"{what} is {size} bytes long; the limit is {MAX_KEY_BYTES} bytes")
+    return value
+
+
 def _error_text(error: str) -> str:
     if not isinstance(error, str):
         raise InvalidJob(f"error must be a string, not {type(error).__name__}")
     return error.replace("\x00", "")
+
+
+_JSON_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 
 
 def encode_payload(payload: Any) -> str:
@@ -129,7 +150,9 @@ def encode_payload(payload: Any) -> str:
         encoded = json.dumps(payload, allow_nan=False, separators=(",", ":"))
     except (TypeError, ValueError) as exc:
         raise InvalidJob(f"payload is not JSON-serialisable: {exc}") from None
-    if "\\u0000" in encoded:
+    # A real NUL is a `\u0000` escape whose backslash is not itself escaped;
+    # the text "\\u0000" (a backslash, then "u0000") encodes as `\\u0000` and is fine.
+    if _JSON_NUL.search(encoded):
         raise InvalidJob("payload contains a NUL character (\\u0000), which jsonb cannot store")
     return encoded
 
@@ -154,9 +177,9 @@ def _check_counts(priority: int, max_attempts: int) -> None:
 def _check_job(job: NewJob) -> str:
     if job.task is not None:
         _text("task name", job.task)
-    _text("queue", job.queue)
+    _short_text("queue", job.queue)
     if job.unique_key is not None:
-        _text("unique_key", job.unique_key)
+        _short_text("unique_key", job.unique_key)
     _check_schedule(job.run_at, job.delay)
     _check_counts(job.priority, job.max_attempts)
     return encode_payload(job.payload)
@@ -245,18 +268,21 @@ plain_in AS (
 ),
 plain_out AS (
   SELECT id, row_number() OVER (ORDER BY id) AS n FROM inserted WHERE unique_key IS NULL
+),
+keyed AS (
+  SELECT DISTINCT ON (unique_key) unique_key, id FROM (
+    SELECT unique_key, id, 0 AS pick FROM inserted WHERE unique_key IS NOT NULL
+    UNION ALL
+    SELECT j.unique_key, j.id, 1 FROM {names.qualified} j
+    WHERE j.unique_key IN (SELECT unique_key FROM input) AND j.status IN ('queued', 'running')
+  ) k
+  ORDER BY unique_key, pick
 )
 SELECT coalesce(keyed.id, plain_out.id) AS id
 FROM input
 LEFT JOIN plain_in USING (ord)
 LEFT JOIN plain_out USING (n)
-LEFT JOIN LATERAL (
-  SELECT id FROM inserted WHERE inserted.unique_key = input.unique_key
-  UNION ALL
-  SELECT id FROM {names.qualified} j
-  WHERE j.unique_key = input.unique_key AND j.status IN ('queued', 'running')
-  LIMIT 1
-) keyed ON input.unique_key IS NOT NULL
+LEFT JOIN keyed ON keyed.unique_key = input.unique_key
 ORDER BY input.ord
 """
     return (
@@ -373,7 +399,8 @@ def complete_many(table: Table, jobs: Sequence[tuple[int, int]]) -> Update:
 
 def _backoff(table: Table) -> ColumnElement[Any]:
     exponent = func.least(table.c.attempts, BACKOFF_MAX_EXPONENT)
-    step = literal_column(BACKOFF_BASE, Interval) * func.power(2, exponent)
+    # .op("*"): SQLAlchemy 2.1 deprecates `*` on Interval (not in its operator classes).
+    step = literal_column(BACKOFF_BASE, Interval).op("*")(func.power(2, exponent))
     return func.now() + func.least(literal_column(BACKOFF_CAP, Interval), step)
 
 
@@ -505,22 +532,64 @@ def prune(
     VACUUM back. Rows finished by hand-written SQL that left `finished_at`
     empty are aged by `created_at`.
     """
+    return table.delete().where(_finished_batch(table, older_than, limit, statuses))
+
+
+def archive(
+    table: Table,
+    *,
+    older_than: timedelta,
+    limit: int = 10000,
+    statuses: Sequence[str] = FINISHED_STATUSES,
+) -> Insert:
+    """Move one batch of finished jobs to `<table>_archive`; loop until it moves nothing.
+
+    One statement, ``WITH moved AS (DELETE ... RETURNING *) INSERT INTO
+    <table>_archive SELECT ... FROM moved``: the delete and the copy commit or
+    fail together, so no job is ever in both tables or in neither. Ids are
+    kept; `archived_at` takes its default. The row count is the number moved.
+    """
+    moved = (
+        table.delete()
+        .where(_finished_batch(table, older_than, limit, statuses))
+        .returning(*table.c)
+        .cte("moved")
+    )
+    target = archive_table(MetaData(), table.name, table.schema)
+    columns = [c.name for c in table.c]
+    return (
+        insert(target)
+        .from_select(columns, select(*(moved.c[name] for name in columns)))
+        .add_cte(moved)
+    )
+
+
+def _finished_batch(
+    table: Table, older_than: timedelta, limit: int, statuses: Sequence[str]
+) -> ColumnElement[bool]:
+    """`id IN (one batch of old finished jobs)`, and the same test again on the row.
+
+    The subquery runs once, on its snapshot; the repeated test is what the
+    DELETE re-checks on a row that changed meanwhile (a failed job sent back
+    by `retry`), so a job that is queued again is never pruned or archived.
+    """
     bad = [s for s in statuses if s not in FINISHED_STATUSES]
     if bad or not statuses:
-        raise InvalidJob(f"prune removes only finished jobs (done, failed), not {bad or 'nothing'}")
+        raise InvalidJob(
+            f"prune and archive take only finished jobs (done, failed), not {bad or 'nothing'}"
+        )
     if older_than < timedelta(0):
         raise InvalidJob(f"older_than must not be negative, got {older_than}")
+    if limit < 1:
+        raise InvalidJob(f"limit must be at least 1, got {limit}")
     c = table.c
-    finished = func.coalesce(c.finished_at, c.created_at)
-    victims = (
-        select(c.id)
-        .where(
-            c.status.in_([_status_literal(s) for s in statuses]),
-            finished < func.now() - bindparam("older_than", older_than, type_=Interval),
-        )
-        .limit(bindparam("limit", limit, type_=Integer))
+    old_finished = and_(
+        c.status.in_([_status_literal(s) for s in statuses]),
+        func.coalesce(c.finished_at, c.created_at)
+        < func.now() - bindparam("older_than", older_than, type_=Interval),
     )
-    return table.delete().where(c.id.in_(victims.scalar_subquery()))
+    victims = select(c.id).where(old_finished).limit(bindparam("limit", limit, type_=Integer))
+    return and_(c.id.in_(victims.scalar_subquery()), old_finished)
 
 
 def next_run_at(table: Table, *, queue: Queues = "default") -> Select[Any, datetime]:

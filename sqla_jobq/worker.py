@@ -39,6 +39,7 @@ T = TypeVar("T")
 RETRY_START = 0.1
 RETRY_MAX = 5.0
 FINISH_RETRIES = 12
+PRUNE_BATCH = 10_000
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,8 @@ class WorkerOptions:
     shutdown_timeout: float = 30.0
     reap_interval: float = 30.0
     prepared: bool = True
+    prune_older_than: timedelta | None = None
+    prune_interval: float = 3600.0
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
@@ -148,6 +151,7 @@ class Worker:
         self.event = asyncio.Event()
         self.stopping = False
         self.last_reap = float("-inf")
+        self.last_prune = float("-inf")
         self.job_tasks: set[asyncio.Task[None]] = set()
         self.executor = ThreadPoolExecutor(options.concurrency, thread_name_prefix="jobq")
         self.processed = 0
@@ -157,10 +161,16 @@ class Worker:
         table = self.registry.table
         return Driver(o.database_url, table, self.queues, self.claim_lease, o.prepared)
 
-    async def run(self) -> int:
-        """Work until stopped (or, with `burst`, until nothing is ready); exit status."""
+    async def run(self, *, handle_signals: bool = True) -> int:
+        """Work until stopped (or, with `burst`, until nothing is ready); exit status.
+
+        With `handle_signals`, SIGTERM/SIGINT stop the worker gracefully and a
+        second one exits the process at once; an app embedding the worker in
+        another thread passes False and calls `stop()` instead.
+        """
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        signals = (signal.SIGTERM, signal.SIGINT) if handle_signals else ()
+        for sig in signals:
             loop.add_signal_handler(sig, self._on_signal)
         helpers = [
             asyncio.create_task(self.finisher.run(), name="finisher"),
@@ -193,7 +203,7 @@ class Worker:
             await self.claimer.close()
             await self.finisher.driver.close()
             self.executor.shutdown(wait=False, cancel_futures=True)
-            for sig in (signal.SIGTERM, signal.SIGINT):
+            for sig in signals:
                 loop.remove_signal_handler(sig)
         log.info("worker stopped after %d jobs", self.processed)
         return 0
@@ -201,14 +211,18 @@ class Worker:
     def wake(self) -> None:
         self.event.set()
 
+    def stop(self) -> None:
+        """Stop claiming; running jobs get `shutdown_timeout` to finish."""
+        log.info("stopping: no new claims; waiting up to %ss", self.options.shutdown_timeout)
+        self.stopping = True
+        self.wake()
+
     def _on_signal(self) -> None:
         if self.stopping:
             log.warning("second signal: exiting now; unfinished leases will expire and be reaped")
             logging.shutdown()
             os._exit(1)
-        log.info("stopping: no new claims; waiting up to %ss", self.options.shutdown_timeout)
-        self.stopping = True
-        self.wake()
+        self.stop()
 
     async def _claim_loop(self) -> None:
         delay = RETRY_START
@@ -219,7 +233,7 @@ class Worker:
                 continue
             self.event.clear()
             try:
-                await self._reap_if_due()
+                await self._maintain()
                 rows = await self.claimer.claim(free)
             except psycopg.Error as exc:
                 log.warning("claim failed (%s); retrying in %.1fs", exc, delay)
@@ -256,21 +270,42 @@ class Worker:
             await asyncio.wait_for(self.event.wait(), timeout)
         self.event.clear()
 
-    async def _reap_if_due(self) -> None:
+    async def _maintain(self) -> None:
+        """Reap and prune when due, piggybacked on claims.
+
+        Riding on the claim loop means an idle worker runs them only when it
+        wakes anyway, so maintenance never keeps a serverless compute awake.
+        """
         now = time.monotonic()
-        if now - self.last_reap < self.options.reap_interval:
-            return
-        self.last_reap = now
-        for job_id, status, attempts in await self.claimer.reap():
-            log.warning(
-                "reaped job %d (attempt %d, lease expired): now %s", job_id, attempts, status
-            )
+        if now - self.last_reap >= self.options.reap_interval:
+            self.last_reap = now
+            for job_id, status, attempts in await self.claimer.reap():
+                log.warning(
+                    "reaped job %d (attempt %d, lease expired): now %s", job_id, attempts, status
+                )
+        older_than = self.options.prune_older_than
+        if older_than is not None and now - self.last_prune >= self.options.prune_interval:
+            self.last_prune = now
+            await self._prune(older_than)
+
+    async def _prune(self, older_than: timedelta) -> None:
+        total = 0
+        while (count := await self.claimer.prune(older_than, PRUNE_BATCH)) > 0:
+            total += count
+            if count < PRUNE_BATCH:
+                break
+        if total:
+            log.info("pruned %d finished jobs older than %s", total, older_than)
 
     def _start(self, row: ClaimedRow) -> None:
         task = self.registry.get(row.task)
         lease = task.lease if task is not None else self.claim_lease
         now = time.monotonic()
-        self.active[row.id] = Running(row, lease, now, now)
+        # The claim leased it for `claim_lease` (the shortest of all tasks),
+        # not its own: date the last extension back so the first heartbeat is
+        # due a third of the way into the claim lease, not into the task's.
+        head_start = (lease - self.claim_lease).total_seconds() / 3
+        self.active[row.id] = Running(row, lease, now, now - head_start)
         self.executing += 1
         job_task = asyncio.create_task(self._execute(row))
         self.job_tasks.add(job_task)
@@ -286,6 +321,8 @@ class Worker:
             self.wake()
         try:
             outcome = "lost" if entry.lost else await self._finish(row, error)
+        except psycopg.Error as exc:
+            outcome = f"unrecorded ({exc}); the lease will expire and the job run again"
         finally:
             self.active.pop(row.id, None)
         self.processed += 1

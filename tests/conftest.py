@@ -10,6 +10,7 @@ each other's jobs.
 from __future__ import annotations
 
 import os
+import sys
 import uuid
 from collections.abc import Iterator
 
@@ -23,6 +24,10 @@ from sqla_jobq.migrations.steps import LATEST, down_statements, up_statements
 from sqla_jobq.schema import Names, jobs_table
 
 LOCAL_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
+
+# Subprocesses (`jobq`, `alembic`) must be the ones installed beside this
+# interpreter, also when a virtualenv's python runs pytest without activation.
+os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
 
 
 def _server_url() -> str:

@@ -75,6 +75,36 @@ def _v1_down(n: Names) -> list[str]:
     ]
 
 
+def _v2_up(n: Names) -> list[str]:
+    archive = n.archive_qualified
+    return [
+        f"""CREATE TABLE {archive} (
+  id           bigint      NOT NULL CONSTRAINT {quote_ident(n.archive_pkey)} PRIMARY KEY,
+  queue        text        NOT NULL,
+  payload      jsonb       NOT NULL,
+  status       text        NOT NULL,
+  run_at       timestamptz NOT NULL,
+  attempts     int         NOT NULL,
+  max_attempts int         NOT NULL,
+  locked_until timestamptz,
+  last_error   text,
+  created_at   timestamptz NOT NULL,
+  task         text,
+  priority     int         NOT NULL,
+  unique_key   text,
+  started_at   timestamptz,
+  finished_at  timestamptz,
+  archived_at  timestamptz NOT NULL DEFAULT now()
+)""",
+        f"CREATE INDEX {quote_ident(n.archive_index)} ON {archive} (archived_at)",
+        f"COMMENT ON TABLE {archive} IS {quote_literal(version_comment(2))}",
+    ]
+
+
+def _v2_down(n: Names) -> list[str]:
+    return [f"DROP TABLE {n.archive_qualified}"]
+
+
 STEPS: tuple[Step, ...] = (
     Step(
         1,
@@ -82,6 +112,14 @@ STEPS: tuple[Step, ...] = (
         "unique keys) and the per-statement NOTIFY trigger",
         _v1_up,
         _v1_down,
+    ),
+    Step(
+        2,
+        "the archive table `<name>_archive`: the jobs table's columns (ids copied, no "
+        "identity, no trigger) plus `archived_at`, where `prune --archive` moves finished "
+        "jobs so the hot table stays small without losing history",
+        _v2_up,
+        _v2_down,
     ),
 )
 

@@ -1,0 +1,7 @@
+"""`python -m bench`: see bench/runner.py."""
+
+import sys
+
+from .runner import main
+
+sys.exit(main())

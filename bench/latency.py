@@ -1,0 +1,215 @@
+"""3: pickup latency of an idle worker, against a raw LISTEN/NOTIFY round trip.
+
+One idle `jobq worker` (not burst, LISTEN active, poll interval 60 s so only
+a notification can wake it) runs the `stamp` task, whose handler writes
+time.time() as its first act. The enqueuer commits one job at a time with a
+gap between them and records time.time() just before COMMIT and just after it
+returns. In the same round, the baseline: two psycopg connections, one
+LISTENing in a thread, the other running BEGIN; INSERT a row; NOTIFY; COMMIT
+(the same kind of transaction as an enqueue, whose COMMIT waits for the WAL
+flush) with the same two timestamps around the COMMIT, the listener recording
+when the notification arrives.
+
+Two figures per side:
+
+* from COMMIT sent: includes the producer's commit (WAL flush), which is most
+  of the raw round trip; this is the like-for-like comparison.
+* from COMMIT returned: what the producer's code would observe. The raw
+  notification often arrives before the producer's COMMIT returns, so the
+  baseline here is close to zero and a ratio against it means little; the
+  absolute figure is reported.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from sqlalchemy import create_engine
+from sqlalchemy.pool import NullPool
+
+from . import common
+from .common import Bench
+
+CHANNEL = "bench_raw"
+
+
+def _wait_for_listener(bench: Bench, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    with bench.connect() as conn:
+        while time.monotonic() < deadline:
+            row = conn.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                "AND query ILIKE 'LISTEN%%'"
+            ).fetchone()
+            if row and row[0] > 0:
+                return
+            time.sleep(0.05)
+    raise RuntimeError("the worker did not start LISTENing")
+
+
+def _raw_round(bench: Bench, count: int, gap: float) -> tuple[list[float], list[float]]:
+    received: dict[int, float] = {}
+    ready = threading.Event()
+    listener = bench.connect()
+
+    def listen() -> None:
+        listener.execute(f"LISTEN {CHANNEL}")
+        ready.set()
+        for note in listener.notifies():
+            now = time.time()
+            if note.payload == "stop":
+                return
+            received[int(note.payload)] = now
+
+    thread = threading.Thread(target=listen, daemon=True)
+    thread.start()
+    ready.wait(10)
+    sent: dict[int, tuple[float, float]] = {}
+    with psycopg.connect(bench.dsn) as sender:
+        sender.execute("CREATE TABLE IF NOT EXISTS bench_raw (i int, payload jsonb)")
+        sender.commit()
+        for i in range(count):
+            # The same kind of transaction as an enqueue: a row written (so the
+            # COMMIT waits for its WAL flush) and a notification.
+            sender.execute("INSERT INTO bench_raw VALUES (%s, '{}')", (i,))
+            sender.execute("SELECT pg_notify(%s, %s)", (CHANNEL, str(i)))
+            before = time.time()
+            sender.commit()
+            sent[i] = (before, time.time())
+            time.sleep(gap)
+        sender.execute("SELECT pg_notify(%s, 'stop')", (CHANNEL,))
+        sender.commit()
+    thread.join(10)
+    listener.close()
+    return _deltas(sent, received)
+
+
+def _deltas(
+    sent: dict[int, tuple[float, float]], received: dict[int, float]
+) -> tuple[list[float], list[float]]:
+    missing = set(sent) - set(received)
+    if missing:
+        raise RuntimeError(f"{len(missing)} of {len(sent)} were never picked up")
+    from_sent = [(received[i] - sent[i][0]) * 1000 for i in sent]
+    from_returned = [(received[i] - sent[i][1]) * 1000 for i in sent]
+    return from_sent, from_returned
+
+
+def _worker_round(
+    bench: Bench, stamps: Path, first: int, count: int, gap: float
+) -> tuple[list[float], list[float]]:
+    from bench.tasks import stamp
+
+    engine = create_engine(bench.url, poolclass=NullPool)
+    sent: dict[int, tuple[float, float]] = {}
+    try:
+        with engine.connect() as conn:
+            for seq in range(first, first + count):
+                trans = conn.begin()
+                stamp.enqueue(conn, seq=seq)
+                before = time.time()
+                trans.commit()
+                sent[seq] = (before, time.time())
+                time.sleep(gap)
+    finally:
+        engine.dispose()
+    deadline = time.monotonic() + 10
+    received: dict[int, float] = {}
+    while time.monotonic() < deadline:
+        received = _read_stamps(stamps)
+        if all(s in received for s in sent):
+            break
+        time.sleep(0.05)
+    return _deltas(sent, received)
+
+
+def _read_stamps(path: Path) -> dict[int, float]:
+    out: dict[int, float] = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            seq, at = line.split()
+            out[int(seq)] = float(at)
+    return out
+
+
+def run(bench: Bench, log: Callable[[str], None]) -> dict[str, Any]:
+    n, gap = bench.sizes.latency_jobs, bench.sizes.latency_gap
+    common.create_table(bench)
+    with tempfile.TemporaryDirectory(prefix="jobq-bench-") as tmpdir:
+        stamps = Path(tmpdir) / "stamps"
+        cmd = common.worker_command(
+            bench, concurrency=8, burst=False, extra=["--poll-interval", "60"]
+        )
+        worker = subprocess.Popen(
+            cmd,
+            cwd=common.REPO,
+            env=common.child_env(JOBQ_BENCH_STAMPS=str(stamps)),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        rounds: list[dict[str, list[float]]] = []
+        try:
+            _wait_for_listener(bench)
+            # Warm up: connections made, statements prepared, code paths run.
+            _worker_round(bench, stamps, -20, 20, gap)
+            _raw_round(bench, 20, gap)
+            for r in range(bench.rounds):
+                raw_sent, raw_ret = _raw_round(bench, n, gap)
+                ours_sent, ours_ret = _worker_round(bench, stamps, r * n, n, gap)
+                rounds.append(
+                    {
+                        "raw_sent": raw_sent,
+                        "raw_ret": raw_ret,
+                        "ours_sent": ours_sent,
+                        "ours_ret": ours_ret,
+                    }
+                )
+                log(
+                    f"  round {r + 1} pickup p50 {common.median(ours_sent):.2f} ms "
+                    f"(raw {common.median(raw_sent):.2f} ms), p99 "
+                    f"{common.percentile(ours_sent, 99):.2f} ms "
+                    f"(raw {common.percentile(raw_sent, 99):.2f} ms)"
+                )
+        finally:
+            worker.terminate()
+            try:
+                _, err = worker.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                worker.kill()
+                _, err = worker.communicate()
+        if worker.returncode not in (0, -15):
+            raise RuntimeError(f"latency worker exited {worker.returncode}: {err[-2000:]}")
+    return summarize(rounds)
+
+
+def summarize(rounds: list[dict[str, list[float]]]) -> dict[str, Any]:
+    def stat(key: str, fn: Callable[[list[float]], float]) -> float:
+        return common.median([fn(r[key]) for r in rounds])
+
+    def p50(v: list[float]) -> float:
+        return common.median(v)
+
+    def p99(v: list[float]) -> float:
+        return common.percentile(v, 99)
+
+    out: dict[str, Any] = {
+        key: {"p50_ms": stat(key, p50), "p99_ms": stat(key, p99)}
+        for key in ("raw_sent", "raw_ret", "ours_sent", "ours_ret")
+    }
+    out["ratio_p50_from_commit_sent"] = common.median(
+        [common.ratio(p50(r["ours_sent"]), p50(r["raw_sent"])) for r in rounds]
+    )
+    out["ratio_p99_from_commit_sent"] = common.median(
+        [common.ratio(p99(r["ours_sent"]), p99(r["raw_sent"])) for r in rounds]
+    )
+    out["added_p50_ms"] = common.median([p50(r["ours_sent"]) - p50(r["raw_sent"]) for r in rounds])
+    out["samples_per_round"] = len(rounds[0]["ours_sent"]) if rounds else 0
+    return out

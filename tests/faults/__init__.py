@@ -1,0 +1,1 @@
+"""Crash-consistency scenarios: real `jobq worker` processes under faults."""

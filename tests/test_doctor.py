@@ -1,0 +1,399 @@
+"""`jobq doctor` against real PostgreSQL: the article's VACUUM trap, reproduced.
+
+A claim left open in a transaction, idle, while another worker processes
+2,000 jobs: VACUUM reports the old row versions "dead but not yet removable",
+the doctor names the idle session's pid and exits 1; once it commits, VACUUM
+removes them and the finding is gone.
+
+The server may be shared with other test runs, so assertions are about the
+sessions and the table this test made, not about the absence of everything.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import psycopg
+import pytest
+from sqlalchemy import Engine, Table, create_engine, text
+from sqlalchemy.engine import Connection
+from sqlalchemy.pool import NullPool
+
+from sqla_jobq import client, statements
+from sqla_jobq.db import conninfo, sqlalchemy_url
+from sqla_jobq.doctor import Finding, Report, Thresholds, diagnose, render_text
+from sqla_jobq.schema import names_of
+from sqla_jobq.statements import NewJob
+
+TABLE_CHECKS = {
+    "schema_version",
+    "dead_tuples",
+    "table_size",
+    "index",
+    "ready_backlog",
+    "expired_leases",
+    "lease_nearly_used",
+    "lease_expired_recently",
+    "failed_recently",
+}
+VACUUM_TUPLES = re.compile(
+    r"tuples: (\d+) removed, (\d+) remain, (\d+) are dead but not yet removable"
+)
+
+
+@dataclass(frozen=True)
+class Vacuumed:
+    removed: int
+    remain: int
+    not_yet_removable: int
+
+
+# --- helpers -----------------------------------------------------------------
+
+
+def enqueue(engine: Engine, table: Table, n: int, **options: Any) -> list[int]:
+    rows = [NewJob("noop", {"n": i}, **options) for i in range(n)]
+    with engine.begin() as conn:
+        return client.enqueue_many(conn, table, rows)
+
+
+def autocommit(engine: Engine) -> Connection:
+    return engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+
+
+def process(engine: Engine, table: Table, n: int) -> int:
+    """A well-behaved worker: claim 10, complete each, every statement its own commit."""
+    done = 0
+    with autocommit(engine) as conn:
+        while done < n:
+            claimed = conn.execute(statements.claim(table, limit=min(10, n - done))).all()
+            if not claimed:
+                break
+            for job in claimed:
+                assert conn.execute(statements.complete(table, job.id, job.attempts)).rowcount == 1
+            done += len(claimed)
+    return done
+
+
+def vacuum_verbose(database_url: str, table: Table) -> Vacuumed:
+    """Run VACUUM (VERBOSE) and read its INFO report for this table (not its TOAST)."""
+    notices: list[str] = []
+    with psycopg.connect(conninfo(database_url), autocommit=True) as conn:
+        conn.add_notice_handler(lambda diag: notices.append(diag.message_primary or ""))
+        conn.execute(f'VACUUM (VERBOSE) "{table.name}"'.encode())
+    mine = [m for m in notices if m.startswith("finished vacuuming") and f'.{table.name}"' in m]
+    assert len(mine) == 1, notices
+    match = VACUUM_TUPLES.search(mine[0])
+    assert match, mine[0]
+    return Vacuumed(*(int(g) for g in match.groups()))
+
+
+def run_jobq(*args: str) -> subprocess.CompletedProcess[str]:
+    """The `jobq` entry point in a fresh interpreter, as a user would run it."""
+    code = "import sys; from sqla_jobq.cli import main; sys.argv[0] = 'jobq'; main()"
+    return subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=60
+    )
+
+
+def doctor_json(database_url: str, table: Table) -> tuple[int, dict[str, Any]]:
+    done = run_jobq("doctor", "--json", "--database-url", database_url, "--table", table.name)
+    assert done.returncode in (0, 1), done.stderr
+    return done.returncode, json.loads(done.stdout)
+
+
+def about_pid(findings: Iterator[Finding] | tuple[Finding, ...], check: str, pid: int) -> list[Finding]:
+    return [f for f in findings if f.check == check and f.data.get("pid") == pid]
+
+
+def of_check(report: Report, check: str) -> list[Finding]:
+    return [f for f in report.findings if f.check == check]
+
+
+@pytest.fixture
+def quiet(table: Table, raw: psycopg.Connection[tuple[object, ...]]) -> Table:
+    """The test table with autovacuum off, so only our VACUUM removes anything."""
+    raw.execute(f'ALTER TABLE "{table.name}" SET (autovacuum_enabled = false)'.encode())
+    return table
+
+
+@pytest.fixture
+def stuck_engine(database_url: str) -> Iterator[Engine]:
+    """Connections that show up as `stuck-claimer` in pg_stat_activity."""
+    eng = create_engine(
+        sqlalchemy_url(database_url),
+        poolclass=NullPool,
+        connect_args={"application_name": "stuck-claimer"},
+    )
+    yield eng
+    eng.dispose()
+
+
+# --- the article's case ----------------------------------------------------------
+
+
+def test_idle_claim_blocks_vacuum_and_doctor_names_its_pid_until_it_commits(
+    engine: Engine, stuck_engine: Engine, quiet: Table, database_url: str
+) -> None:
+    table = quiet
+    enqueue(engine, table, 2_001)
+    with stuck_engine.connect() as stuck:
+        tx = stuck.begin()
+        assert len(stuck.execute(statements.claim(table, limit=1)).all()) == 1
+        pid = stuck.execute(text("SELECT pg_backend_pid()")).scalar_one()
+        # the claim is done; the transaction stays open, idle, holding its xid
+
+        assert process(engine, table, 2_000) == 2_000
+
+        held = vacuum_verbose(database_url, table)
+        assert held.not_yet_removable >= 2_000
+        assert held.removed == 0
+
+        report = diagnose(engine, table)
+        idle = about_pid(report.findings, "idle_in_transaction", pid)
+        assert [f.level for f in idle] == ["warn"]
+        assert idle[0].subject == f"pid {pid} (stuck-claimer)"
+        assert idle[0].data["has_xid"] is True
+        assert idle[0].data["xid_age"] >= 2_000
+        assert f"pg_terminate_backend({pid})" in idle[0].advice
+        assert report.exit_status == 1
+        assert f"pid {pid} (stuck-claimer)" in render_text(report)
+
+        status, shown = doctor_json(database_url, table)
+        assert status == 1
+        assert shown["healthy"] is False and shown["exit_status"] == 1
+        named = [
+            f for f in shown["findings"]
+            if f["check"] == "idle_in_transaction" and f["data"].get("pid") == pid
+        ]
+        assert len(named) == 1 and named[0]["level"] == "warn"
+
+        tx.commit()
+
+    freed = vacuum_verbose(database_url, table)
+    assert freed.removed >= 2_000
+    assert freed.not_yet_removable == 0
+    after = diagnose(engine, table)
+    assert about_pid(after.findings, "idle_in_transaction", pid) == []
+    _, shown = doctor_json(database_url, table)
+    assert not [f for f in shown["findings"] if f["data"].get("pid") == pid]
+
+
+def test_read_only_repeatable_read_snapshot_holds_the_horizon_too(
+    engine: Engine, stuck_engine: Engine, table: Table
+) -> None:
+    with stuck_engine.connect() as stuck:
+        stuck.execution_options(isolation_level="REPEATABLE READ")
+        tx = stuck.begin()
+        stuck.execute(text("SELECT count(*) FROM pg_class")).scalar_one()
+        pid = stuck.execute(text("SELECT pg_backend_pid()")).scalar_one()
+        with autocommit(engine) as burner:
+            for _ in range(1_100):
+                burner.execute(text("SELECT txid_current()"))
+        report = diagnose(engine, table)
+        tx.rollback()
+    idle = about_pid(report.findings, "idle_in_transaction", pid)
+    assert len(idle) == 1
+    assert idle[0].data["has_snapshot"] is True and idle[0].data["has_xid"] is False
+    assert idle[0].data["xmin_age"] >= 1_000
+
+
+def test_doctor_flags_a_transaction_open_past_the_long_transaction_limit(
+    engine: Engine, stuck_engine: Engine, table: Table
+) -> None:
+    with stuck_engine.connect() as stuck, stuck.begin():
+        pid = stuck.execute(text("SELECT pg_backend_pid()")).scalar_one()
+        time.sleep(0.6)
+        report = diagnose(engine, table, Thresholds(long_transaction_seconds=0.5))
+        strict_idle = diagnose(engine, table, Thresholds(idle_in_transaction_seconds=0.5))
+    long = about_pid(report.findings, "long_transaction", pid)
+    assert len(long) == 1 and long[0].level == "warn"
+    assert f"pg_cancel_backend({pid})" in long[0].advice
+    # holding no xid and no snapshot, 0.6 s idle is not yet an idle-in-transaction problem
+    assert about_pid(report.findings, "idle_in_transaction", pid) == []
+    assert len(about_pid(strict_idle.findings, "idle_in_transaction", pid)) == 1
+
+
+def test_doctor_never_reports_its_own_session_and_leaves_none_behind(
+    engine: Engine, table: Table, raw: psycopg.Connection[tuple[object, ...]]
+) -> None:
+    report = diagnose(engine, table, Thresholds(long_transaction_seconds=0.0))
+    names = {f.data.get("application_name") for f in of_check(report, "long_transaction")}
+    assert "jobq doctor" not in names
+    left = raw.execute(
+        "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'jobq doctor'"
+    ).fetchone()
+    assert left == (0,)
+
+
+# --- the queue ---------------------------------------------------------------------
+
+
+def test_doctor_flags_expired_and_nearly_used_leases_then_jobs_that_outlived_them(
+    engine: Engine, table: Table, raw: psycopg.Connection[tuple[object, ...]]
+) -> None:
+    expired, nearly, fresh = enqueue(engine, table, 3, queue="leases")
+    with autocommit(engine) as conn:
+        assert len(conn.execute(statements.claim(table, queue="leases", limit=3)).all()) == 3
+    t = f'"{table.name}"'
+    raw.execute(
+        f"UPDATE {t} SET started_at = now() - interval '15 minutes', "
+        f"locked_until = now() - interval '10 minutes' WHERE id = {expired}".encode()
+    )
+    raw.execute(
+        f"UPDATE {t} SET started_at = now() - interval '9 minutes', "
+        f"locked_until = now() + interval '1 minute' WHERE id = {nearly}".encode()
+    )
+
+    report = diagnose(engine, table)
+    (lost,) = of_check(report, "expired_leases")
+    assert (lost.level, lost.subject, lost.data["ids"]) == ("warn", "queue leases", [expired])
+    assert "jobq reap" in lost.advice
+    (close,) = of_check(report, "lease_nearly_used")
+    assert (close.level, close.data["ids"]) == ("warn", [nearly])
+    assert fresh not in close.data["ids"]
+    assert report.exit_status == 1
+
+    with autocommit(engine) as conn:
+        reaped = conn.execute(statements.reap(table)).all()
+    assert [r.id for r in reaped] == [expired]
+    after = diagnose(engine, table)
+    assert [f.level for f in of_check(after, "expired_leases")] == ["ok"]
+    (outlived,) = of_check(after, "lease_expired_recently")
+    assert (outlived.level, outlived.data["ids"]) == ("warn", [expired])
+
+
+def test_doctor_counts_jobs_failed_for_good_but_not_cancelled_ones(
+    engine: Engine, table: Table
+) -> None:
+    failing, cancelled = enqueue(engine, table, 2, queue="mail", max_attempts=1)
+    with autocommit(engine) as conn:
+        conn.execute(statements.cancel(table, cancelled))
+        (job,) = conn.execute(statements.claim(table, queue="mail")).all()
+        conn.execute(statements.fail(table, job.id, job.attempts, "SMTP 550"))
+    (failed,) = of_check(diagnose(engine, table), "failed_recently")
+    assert (failed.level, failed.subject, failed.data["ids"]) == ("warn", "queue mail", [failing])
+    assert f"WHERE id IN ({failing})" in failed.advice
+
+
+def test_doctor_flags_a_queue_whose_oldest_ready_job_waits_too_long(
+    engine: Engine, table: Table, raw: psycopg.Connection[tuple[object, ...]]
+) -> None:
+    (old,) = enqueue(engine, table, 1, queue="starved")
+    enqueue(engine, table, 1, queue="fed")
+    enqueue(engine, table, 1, queue="later", delay=timedelta(hours=1))
+    raw.execute(
+        f"UPDATE \"{table.name}\" SET run_at = now() - interval '10 minutes' "
+        f"WHERE id = {old}".encode()
+    )
+    backlog = {f.subject: f for f in of_check(diagnose(engine, table), "ready_backlog")}
+    assert backlog["queue starved"].level == "warn"
+    assert backlog["queue starved"].data["ready"] == 1
+    assert backlog["queue starved"].data["oldest_ready_seconds"] >= 600
+    assert backlog["queue fed"].level == "ok"
+    assert backlog["queue later"].level == "ok"
+    assert backlog["queue later"].data["ready"] == 0
+
+
+# --- the indexes ---------------------------------------------------------------------
+
+
+def test_doctor_flags_a_missing_ready_index_and_its_advice_recreates_it(
+    engine: Engine, table: Table, raw: psycopg.Connection[tuple[object, ...]]
+) -> None:
+    ready = names_of(table).ready_index
+    raw.execute(f'DROP INDEX "{ready}"'.encode())
+    report = diagnose(engine, table)
+    (missing,) = [f for f in of_check(report, "index") if f.level == "warn"]
+    assert missing.subject == f"index {ready}"
+    assert missing.data == {"name": ready, "exists": False, "valid": False}
+    assert report.exit_status == 1
+
+    ddl = missing.advice.removeprefix("recreate it: ")
+    assert ddl.startswith("CREATE INDEX CONCURRENTLY")
+    raw.execute(ddl.encode())
+    assert all(f.level == "ok" for f in of_check(diagnose(engine, table), "index"))
+
+
+def test_doctor_flags_an_index_left_invalid_by_a_failed_concurrent_build(
+    engine: Engine, table: Table, database_url: str, raw: psycopg.Connection[tuple[object, ...]]
+) -> None:
+    claim_index = names_of(table).claim_index
+    raw.execute(f'DROP INDEX "{claim_index}"'.encode())
+    # A writer with an open transaction makes CREATE INDEX CONCURRENTLY wait
+    # after it has registered the index; the lock timeout then leaves it INVALID.
+    with psycopg.connect(conninfo(database_url)) as writer:
+        writer.execute(f'INSERT INTO "{table.name}" (payload) VALUES (\'{{}}\')'.encode())
+        raw.execute(b"SET lock_timeout = '300ms'")
+        with pytest.raises(psycopg.errors.LockNotAvailable):
+            raw.execute(
+                f'CREATE INDEX CONCURRENTLY "{claim_index}" ON "{table.name}" '
+                "(queue, priority DESC, run_at, id) WHERE status = 'queued'".encode()
+            )
+        raw.execute(b"RESET lock_timeout")
+        writer.rollback()
+    report = diagnose(engine, table)
+    (invalid,) = [f for f in of_check(report, "index") if f.level == "warn"]
+    assert invalid.subject == f"index {claim_index}"
+    assert invalid.data == {"name": claim_index, "exists": True, "valid": False}
+    assert invalid.advice == f'rebuild it: REINDEX INDEX CONCURRENTLY "{claim_index}"'
+
+    raw.execute(invalid.advice.removeprefix("rebuild it: ").encode())
+    assert all(f.level == "ok" for f in of_check(diagnose(engine, table), "index"))
+
+
+# --- healthy, and the CLI's contract ------------------------------------------------------
+
+
+def test_healthy_table_has_only_ok_findings_and_exit_status_follows_the_warnings(
+    engine: Engine, table: Table, database_url: str
+) -> None:
+    enqueue(engine, table, 5)
+    process(engine, table, 3)
+    report = diagnose(engine, table)
+    mine = [f for f in report.findings if f.check in TABLE_CHECKS]
+    assert {f.check for f in mine} == TABLE_CHECKS
+    assert [f for f in mine if f.level != "ok"] == []
+    assert all(f.advice == "" for f in mine)
+    assert report.exit_status == (0 if not report.warnings else 1)
+
+    done = run_jobq("doctor", "--database-url", database_url, "--table", table.name)
+    assert done.returncode in (0, 1), done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[2].split() == ["STATUS", "CHECK", "SUBJECT", "DETAIL"]
+    assert any(line.startswith("OK      ready_backlog           queue default") for line in lines)
+    others = [ln for ln in lines if ln.startswith("WARN")]
+    assert done.returncode == (1 if others else 0)
+    assert not any(table.name in ln for ln in others)
+
+
+def test_json_report_has_the_documented_shape(database_url: str, table: Table) -> None:
+    _, shown = doctor_json(database_url, table)
+    assert set(shown) == {
+        "format", "table", "database", "server_version", "checked_at",
+        "healthy", "exit_status", "findings",
+    }
+    assert shown["format"] == 1 and shown["table"] == table.name
+    for finding in shown["findings"]:
+        assert set(finding) == {"check", "level", "subject", "summary", "advice", "data"}
+        assert finding["level"] in ("ok", "warn")
+        assert (finding["advice"] != "") == (finding["level"] == "warn")
+
+
+def test_doctor_cli_user_errors_exit_2_with_one_line(database_url: str) -> None:
+    missing = run_jobq("doctor", "--database-url", database_url, "--table", "no_such_jobs")
+    bad_url = run_jobq("doctor", "--database-url", "mysql://localhost/db")
+    for done in (missing, bad_url):
+        assert done.returncode == 2
+        assert done.stdout == ""
+        assert len(done.stderr.strip().splitlines()) == 1
+        assert done.stderr.startswith("jobq: error: ")
+    assert "jobq migrate" in missing.stderr

@@ -1,0 +1,295 @@
+"""Pruning and archiving finished jobs (schema version 2), on real PostgreSQL.
+
+Each batch is one statement in its own short transaction; archiving moves rows
+with ``WITH moved AS (DELETE ... RETURNING *) INSERT INTO <table>_archive``, so
+a job is never in both tables or in neither.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import psycopg
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+from sqlalchemy import Engine, MetaData, Table, select, text
+from sqlalchemy.sql.dml import Delete, Insert
+
+from sqla_jobq import client, statements
+from sqla_jobq.migrations.steps import down_statements, up_statements
+from sqla_jobq.schema import archive_table, jobs_table, names_of
+from sqla_jobq.statements import InvalidJob, NewJob
+
+Raw = psycopg.Connection[tuple[object, ...]]
+Build = Callable[..., Delete | Insert]
+
+
+@dataclass(frozen=True)
+class Seeded:
+    """Ids of the jobs `seed` made, by what pruning must do with them."""
+
+    old_done: list[int]
+    old_failed: list[int]
+    recent_done: list[int]
+    active: list[int]
+
+    @property
+    def old_finished(self) -> list[int]:
+        return sorted(self.old_done + self.old_failed)
+
+    @property
+    def kept(self) -> list[int]:
+        return sorted(self.recent_done + self.active)
+
+
+def _enqueue(engine: Engine, table: Table, n: int) -> list[int]:
+    with engine.begin() as conn:
+        return client.enqueue_many(conn, table, [NewJob("noop", {"i": i}) for i in range(n)])
+
+
+def _set(raw: Raw, table: Table, ids: list[int], assignments: str) -> None:
+    raw.execute(
+        f'UPDATE "{table.name}" SET {assignments} WHERE id = ANY(%s)'.encode(), (ids,)
+    )
+
+
+def seed(engine: Engine, table: Table, raw: Raw) -> Seeded:
+    """23 done and 4 failed a week+ ago, 5 done an hour ago, 3 queued and 2 running
+    that were created a month ago (active jobs are never pruned, however old)."""
+    ids = _enqueue(engine, table, 37)
+    seeded = Seeded(ids[:23], ids[23:27], ids[27:32], ids[32:])
+    old = "finished_at = now() - interval '8 days'"
+    _set(raw, table, seeded.old_done, f"status = 'done', attempts = 1, {old}")
+    _set(raw, table, seeded.old_failed, f"status = 'failed', attempts = 5, last_error = 'x', {old}")
+    _set(raw, table, seeded.recent_done, "status = 'done', finished_at = now() - interval '1 hour'")
+    _set(raw, table, seeded.active, "created_at = now() - interval '30 days'")
+    _set(raw, table, seeded.active[3:], "status = 'running', locked_until = now() + interval '1 h'")
+    return seeded
+
+
+def in_batches(engine: Engine, stmt: Delete | Insert) -> list[int]:
+    """Run one batch per transaction until a batch comes back short, as the CLI does."""
+    counts: list[int] = []
+    while True:
+        with engine.begin() as conn:
+            counts.append(conn.execute(stmt).rowcount)
+        if counts[-1] == 0:
+            return counts
+
+
+def ids_in(raw: Raw, name: str) -> list[int]:
+    rows = raw.execute(f'SELECT id FROM "{name}" ORDER BY id'.encode()).fetchall()
+    return [int(str(r[0])) for r in rows]
+
+
+def archive_name(table: Table) -> str:
+    return names_of(table).archive
+
+
+def run_jobq(*args: str) -> subprocess.CompletedProcess[str]:
+    code = "import sys; from sqla_jobq.cli import main; sys.argv[0] = 'jobq'; main()"
+    return subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=60
+    )
+
+
+@pytest.fixture
+def seeded(engine: Engine, table: Table, raw: Raw) -> Seeded:
+    return seed(engine, table, raw)
+
+
+# --- prune -------------------------------------------------------------------------
+
+
+def test_prune_deletes_only_old_finished_jobs_in_batches_of_at_most_limit(
+    engine: Engine, table: Table, raw: Raw, seeded: Seeded
+) -> None:
+    counts = in_batches(engine, statements.prune(table, older_than=timedelta(days=7), limit=10))
+    assert counts == [10, 10, 7, 0]
+    assert ids_in(raw, table.name) == seeded.kept
+    assert ids_in(raw, archive_name(table)) == []
+
+
+def test_prune_with_done_only_keeps_failed_jobs_for_inspection(
+    engine: Engine, table: Table, raw: Raw, seeded: Seeded
+) -> None:
+    stmt = statements.prune(table, older_than=timedelta(days=7), statuses=["done"])
+    assert sum(in_batches(engine, stmt)) == len(seeded.old_done)
+    assert ids_in(raw, table.name) == sorted(seeded.kept + seeded.old_failed)
+
+
+# --- archive -----------------------------------------------------------------------
+
+
+def _rows(engine: Engine, table: Table, ids: list[int]) -> dict[int, dict[str, Any]]:
+    with engine.connect() as conn:
+        found = conn.execute(select(table).where(table.c.id.in_(ids))).mappings()
+        return {row["id"]: dict(row) for row in found}
+
+
+def test_archive_moves_old_finished_jobs_whole_with_their_ids_in_batches(
+    engine: Engine, table: Table, raw: Raw, seeded: Seeded
+) -> None:
+    before = _rows(engine, table, seeded.old_finished)
+    stmt = statements.archive(table, older_than=timedelta(days=7), limit=10)
+    assert in_batches(engine, stmt) == [10, 10, 7, 0]
+
+    assert ids_in(raw, table.name) == seeded.kept
+    assert ids_in(raw, archive_name(table)) == seeded.old_finished
+    archive = archive_table(MetaData(), table.name)
+    moved = _rows(engine, archive, seeded.old_finished)
+    for job_id, row in moved.items():
+        assert row.pop("archived_at") is not None
+        assert row == before[job_id]
+
+
+def test_archive_and_prune_refuse_anything_but_finished_statuses_and_bad_sizes(
+    table: Table,
+) -> None:
+    week = timedelta(days=7)
+    build: Build
+    for build in (statements.prune, statements.archive):
+        with pytest.raises(InvalidJob, match="only finished jobs"):
+            build(table, older_than=week, statuses=["done", "queued"])
+        with pytest.raises(InvalidJob, match="only finished jobs"):
+            build(table, older_than=week, statuses=[])
+        with pytest.raises(InvalidJob, match="must not be negative"):
+            build(table, older_than=-week)
+        with pytest.raises(InvalidJob, match="at least 1"):
+            build(table, older_than=week, limit=0)
+
+
+@pytest.mark.parametrize("build", [statements.prune, statements.archive])
+def test_a_job_retried_while_the_batch_waited_on_it_is_neither_pruned_nor_archived(
+    build: Build, engine: Engine, table: Table, raw: Raw, seeded: Seeded
+) -> None:
+    """The batch picks ids on its snapshot, then waits for the row lock of a
+    failed job that `retry` is sending back to the queue; once it may go on it
+    must re-check the row, find it queued, and leave it alone."""
+    target = seeded.old_failed[0]
+    stmt = build(table, older_than=timedelta(days=7))
+    counts: list[int] = []
+    with engine.connect() as retrier:
+        tx = retrier.begin()
+        assert retrier.execute(statements.retry(table, target)).all()
+        pid = retrier.execute(text("SELECT pg_backend_pid()")).scalar_one()
+
+        def batch() -> None:
+            with engine.begin() as conn:
+                counts.append(conn.execute(stmt).rowcount)
+
+        worker = threading.Thread(target=batch)
+        worker.start()
+        _wait_until_blocked_by(raw, pid)
+        tx.commit()
+        worker.join(timeout=30)
+    assert counts == [len(seeded.old_finished) - 1]
+    assert target in ids_in(raw, table.name)
+    assert target not in ids_in(raw, archive_name(table))
+
+
+def _wait_until_blocked_by(raw: Raw, pid: int) -> None:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        row = raw.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE %s = ANY(pg_blocking_pids(pid))", (pid,)
+        ).fetchone()
+        if row and row[0]:
+            return
+        time.sleep(0.02)
+    raise AssertionError("the batch never waited on the retried job")
+
+
+# --- the archive table's schema ----------------------------------------------------------
+
+
+def test_archive_table_metadata_matches_the_migrated_database(
+    engine: Engine, table: Table
+) -> None:
+    mine = {table.name, archive_name(table)}
+    metadata = MetaData()
+    jobs_table(metadata, table.name)
+    archive_table(metadata, table.name)
+    with engine.connect() as conn:
+        context = MigrationContext.configure(
+            conn,
+            opts={
+                "include_name": lambda name, type_, parent: type_ != "table" or name in mine,
+                "compare_type": True,
+                "compare_server_default": True,
+            },
+        )
+        assert compare_metadata(context, metadata) == []
+
+
+def test_step_2_down_drops_the_archive_and_up_brings_it_back(
+    database_url: str, table: Table, raw: Raw
+) -> None:
+    names = names_of(table)
+    for sql in down_statements(names, 2, 1):
+        raw.execute(sql.encode())
+    assert raw.execute(b"SELECT to_regclass(%s)", (names.archive_qualified,)).fetchone() == (None,)
+    comment = raw.execute(b"SELECT obj_description(%s::regclass)", (names.qualified,)).fetchone()
+    assert comment == ("sqla_jobq schema version 1",)
+    for sql in up_statements(names, 1, 2):
+        raw.execute(sql.encode())
+    assert ids_in(raw, names.archive) == []
+
+
+# --- the CLI --------------------------------------------------------------------------
+
+
+def _cli(database_url: str, table: Table, *args: str) -> subprocess.CompletedProcess[str]:
+    return run_jobq("prune", "--database-url", database_url, "--table", table.name, *args)
+
+
+def test_cli_prune_prints_the_total_and_keeps_recent_and_active_jobs(
+    database_url: str, table: Table, raw: Raw, seeded: Seeded
+) -> None:
+    done = _cli(database_url, table, "--older-than", "7d", "--batch-size", "10")
+    assert (done.returncode, done.stdout, done.stderr) == (0, "pruned 27 jobs\n", "")
+    assert ids_in(raw, table.name) == seeded.kept
+
+
+def test_cli_prune_archive_moves_the_jobs_and_prints_the_total(
+    database_url: str, table: Table, raw: Raw, seeded: Seeded
+) -> None:
+    done = _cli(database_url, table, "--older-than", "7d", "--status", "failed", "--archive")
+    assert (done.returncode, done.stdout, done.stderr) == (0, "archived 4 jobs\n", "")
+    assert ids_in(raw, archive_name(table)) == seeded.old_failed
+    assert ids_in(raw, table.name) == sorted(seeded.kept + seeded.old_done)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--older-than", "7x"], "bad duration '7x'"),
+        (["--older-than", "-7d"], "bad duration '-7d'"),
+        (["--status", "done,queued"], "only finished jobs"),
+        (["--status", "done,queued", "--archive"], "only finished jobs"),
+    ],
+)
+def test_cli_prune_rejects_bad_options_with_one_line_and_writes_nothing(
+    args: list[str], message: str, database_url: str, table: Table, raw: Raw, seeded: Seeded
+) -> None:
+    done = _cli(database_url, table, *args)
+    assert done.returncode == 2
+    assert done.stdout == ""
+    assert len(done.stderr.strip().splitlines()) == 1
+    assert done.stderr.startswith("jobq: error: ") and message in done.stderr
+    assert ids_in(raw, table.name) == sorted(seeded.old_finished + seeded.kept)
+    assert ids_in(raw, archive_name(table)) == []
+
+
+def test_cli_prune_on_a_missing_table_is_a_user_error(database_url: str) -> None:
+    done = run_jobq("prune", "--archive", "--database-url", database_url, "--table", "nope_jobs")
+    assert done.returncode == 2
+    assert "jobq migrate" in done.stderr and len(done.stderr.strip().splitlines()) == 1

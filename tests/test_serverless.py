@@ -1,0 +1,88 @@
+"""An idle worker must let a serverless compute sleep: no queries while idle."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable, Iterator
+from datetime import datetime
+from pathlib import Path
+
+import psycopg
+import pytest
+from sqlalchemy import Engine, Table
+
+from sqla_jobq import statements
+
+IDLE_WINDOW = 20.0
+
+TASKS = textwrap.dedent(
+    """
+    import os
+    from sqlalchemy import MetaData
+    from sqla_jobq import Registry, jobs_table
+
+    registry = Registry(jobs_table(MetaData(), os.environ["JOBQ_TEST_TABLE"]))
+
+    @registry.task(name="noop")
+    def noop() -> None:
+        pass
+    """
+)
+
+
+@pytest.fixture
+def idle_worker(tmp_path: Path, database_url: str, table: Table) -> Iterator[int]:
+    (tmp_path / "idle_tasks.py").write_text(TASKS)
+    env = dict(os.environ, JOBQ_TEST_TABLE=table.name, JOBQ_DATABASE_URL=database_url)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sqla_jobq", "worker", "idle_tasks:registry",
+         "--poll-interval", "660", "--log-level", "WARNING"],
+        cwd=tmp_path,
+        env=env,
+    )
+    yield proc.pid
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def _worker_sessions(raw: psycopg.Connection[tuple[object, ...]], pid: int) -> dict[int, datetime]:
+    rows = raw.execute(
+        "SELECT pid, state_change FROM pg_stat_activity WHERE application_name LIKE %s",
+        (f"jobq worker %:{pid}",),
+    ).fetchall()
+    return {int(str(p)): s for p, s in rows if isinstance(s, datetime)}
+
+
+def _wait_for(condition: Callable[[], bool], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.1)
+    raise AssertionError("condition not met in time")
+
+
+def test_idle_worker_sends_no_query_and_still_starts_a_new_job_at_once(
+    idle_worker: int, raw: psycopg.Connection[tuple[object, ...]], engine: Engine, table: Table
+) -> None:
+    _wait_for(lambda: len(_worker_sessions(raw, idle_worker)) >= 2, 30)
+    time.sleep(2.0)  # let start-up queries (reap, first claim, next_run_at) settle
+    before = _worker_sessions(raw, idle_worker)
+    time.sleep(IDLE_WINDOW)
+    after = _worker_sessions(raw, idle_worker)
+    assert after == before, "an idle worker touched the database"
+
+    with engine.begin() as conn:
+        job_id = conn.execute(statements.enqueue(table, "noop", {})).scalar_one()
+    enqueued = time.monotonic()
+
+    def done() -> bool:
+        row = raw.execute(f'SELECT status FROM "{table.name}" WHERE id = %s', (job_id,)).fetchone()
+        return row is not None and row[0] == "done"
+
+    _wait_for(done, 10)
+    assert time.monotonic() - enqueued < 2.0, "LISTEN should start the job at once, not the poll"

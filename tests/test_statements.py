@@ -1,0 +1,696 @@
+"""The statements against real PostgreSQL, one connection at a time.
+
+Backoff, fencing, reaping, unique keys, the attempts invariant, hostile
+strings and the plans the claim gets. Concurrency lives in test_concurrency.py.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from sqlalchemy import Connection, Engine, Table, func, select, update
+from sqlalchemy.dialects import postgresql
+
+from sqla_jobq import client, statements
+from sqla_jobq.statements import InvalidJob, NewJob
+
+SHORT_LEASE = timedelta(milliseconds=50)
+
+
+@contextmanager
+def autocommit(engine: Engine) -> Iterator[Connection]:
+    with engine.connect() as conn:
+        yield conn.execution_options(isolation_level="AUTOCOMMIT")
+
+
+def job(conn: Connection, table: Table, job_id: int) -> Any:
+    return conn.execute(select(table).where(table.c.id == job_id)).one()
+
+
+def claim_one(conn: Connection, table: Table, **options: Any) -> Any:
+    rows = conn.execute(statements.claim(table, limit=1, **options)).all()
+    assert len(rows) == 1, rows
+    return rows[0]
+
+
+def make_ready(conn: Connection, table: Table, job_id: int) -> None:
+    """Bring a backed-off job's run_at back to now (attempts untouched)."""
+    conn.execute(update(table).where(table.c.id == job_id).values(run_at=func.now()))
+
+
+def count(conn: Connection, table: Table) -> int:
+    return conn.execute(select(func.count()).select_from(table)).scalar_one()
+
+
+# --- backoff -----------------------------------------------------------------
+
+
+def fail_and_measure(engine: Engine, table: Table, job_id: int, attempts: int, error: str) -> Any:
+    """Run `fail` and read `run_at - now()` in the same transaction (same now())."""
+    with engine.begin() as conn:
+        row = conn.execute(statements.fail(table, job_id, attempts, error)).one()
+        delay = conn.execute(
+            select(func.extract("epoch", table.c.run_at - func.now())).where(table.c.id == job_id)
+        ).scalar_one()
+    return row, float(delay)
+
+
+def test_fail_backs_off_20_40_80_160_seconds_then_fails_at_max_attempts(
+    engine: Engine, table: Table
+) -> None:
+    with autocommit(engine) as conn:
+        job_id = client.enqueue(conn, table, "t", {})
+        for attempts, seconds in enumerate([20, 40, 80, 160], start=1):
+            claimed = claim_one(conn, table)
+            assert (claimed.id, claimed.attempts) == (job_id, attempts)
+            row, delay = fail_and_measure(engine, table, job_id, attempts, f"boom {attempts}")
+            assert (row.status, row.attempts) == ("queued", attempts)
+            assert delay == pytest.approx(seconds, abs=0.5)
+            assert job(conn, table, job_id).last_error == f"boom {attempts}"
+            assert conn.execute(statements.claim(table)).all() == []  # backing off
+            make_ready(conn, table, job_id)
+
+        claimed = claim_one(conn, table)
+        assert claimed.attempts == 5
+        run_at_before = job(conn, table, job_id).run_at
+        row, _ = fail_and_measure(engine, table, job_id, 5, "boom 5")
+        final = job(conn, table, job_id)
+        assert (row.status, final.status, final.attempts) == ("failed", "failed", 5)
+        assert final.last_error == "boom 5"
+        assert final.run_at == run_at_before  # a failed job is not rescheduled
+        assert final.finished_at is not None and final.locked_until is None
+        assert conn.execute(statements.claim(table)).all() == []
+
+
+def test_backoff_is_capped_at_one_hour_when_max_attempts_is_raised(
+    engine: Engine, table: Table
+) -> None:
+    expected = [20, 40, 80, 160, 320, 640, 1280, 2560, 3600, 3600]
+    with autocommit(engine) as conn:
+        job_id = client.enqueue(conn, table, "t", {}, max_attempts=12)
+        for attempts, seconds in enumerate(expected, start=1):
+            assert claim_one(conn, table).attempts == attempts
+            row, delay = fail_and_measure(engine, table, job_id, attempts, "again")
+            assert row.status == "queued"
+            assert delay == pytest.approx(seconds, abs=0.5), attempts
+            make_ready(conn, table, job_id)
+
+
+def test_backoff_of_a_huge_attempt_count_stays_one_hour_without_overflow(
+    engine: Engine, table: Table
+) -> None:
+    with autocommit(engine) as conn:
+        job_id = client.enqueue(conn, table, "t", {}, max_attempts=100_000)
+        # Simulating: a job that has already run 5,000 times (claimed by hand).
+        conn.execute(
+            update(table)
+            .where(table.c.id == job_id)
+            .values(status="running", attempts=5000, locked_until=func.now())
+        )
+    _, delay = fail_and_measure(engine, table, job_id, 5000, "still failing")
+    assert delay == pytest.approx(3600, abs=0.5)
+
+
+def test_fail_strips_nul_from_the_error_instead_of_refusing_to_record_it(
+    engine: Engine, table: Table
+) -> None:
+    with autocommit(engine) as conn:
+        job_id = client.enqueue(conn, table, "t", {})
+        claimed = claim_one(conn, table)
+        row = conn.execute(statements.fail(table, job_id, claimed.attempts, "bad\x00byte")).one()
+        assert row.status == "queued"
+        assert job(conn, table, job_id).last_error == "badbyte"
+
+
+# --- fencing and reaping -------------------------------------------------------
+
+
+def test_stale_worker_cannot_complete_fail_or_extend_reclaimed_job(
+    engine: Engine, table: Table
+) -> None:
+    with autocommit(engine) as conn:
+        job_id = client.enqueue(conn, table, "t", {})
+        stale = claim_one(conn, table, lease=SHORT_LEASE)
+        assert stale.attempts == 1
+        time.sleep(0.1)
+        assert [tuple(r) for r in conn.execute(statements.reap(table))] == [(job_id, "queued", 1)]
+        owner = claim_one(conn, table)
+        assert (owner.id, owner.attempts) == (job_id, 2)
+
+        assert conn.execute(statements.complete(table, job_id, 1)).rowcount == 0
+        assert conn.execute(statements.fail(table, job_id, 1, "late")).first() is None
+        assert conn.execute(statements.extend_lease(table, job_id, 1)).rowcount == 0
+        assert conn.execute(statements.release(table, job_id, 1)).rowcount == 0
+        assert conn.execute(statements.complete_many(table, [(job_id, 1)])).all() == []
+        leases = statements.extend_leases(table, [(job_id, 1)], timedelta(minutes=5))
+        assert conn.execute(leases).all() == []
+
+        row = job(conn, table, job_id)
+        assert (row.status, row.attempts, row.last_error) == ("running", 2, "lease expired")
+        assert row.locked_until == owner.locked_until  # the stale extend changed nothing
+
+        assert conn.execute(statements.complete(table, job_id, 2)).rowcount == 1
+        row = job(conn, table, job_id)
+        assert (row.status, row.attempts, row.locked_until) == ("done", 2, None)
+
+
+def test_new_owner_can_fail_and_extend_its_reclaimed_job(engine: Engine, table: Table) -> None:
+    with autocommit(engine) as conn:
+        job_id = client.enqueue(conn, table, "t", {})
+        claim_one(conn, table, lease=SHORT_LEASE)
+        time.sleep(0.1)
+        conn.execute(statements.reap(table))
+        claim_one(conn, table, lease=SHORT_LEASE)
+        extend = statements.extend_lease(table, job_id, 2, timedelta(minutes=10))
+        assert conn.execute(extend).rowcount == 1
+        time.sleep(0.1)
+        assert conn.execute(statements.reap(table)).all() == []  # lease was extended
+        ids = conn.execute(statements.extend_leases(table, [(job_id, 2)], timedelta(minutes=1)))
+        assert ids.scalars().all() == [job_id]
+        assert conn.execute(statements.fail(table, job_id, 2, "boom")).one().status == "queued"
+
+
+def test_reaper_leaves_live_leases_alone(engine: Engine, table: Table) -> None:
+    with autocommit(engine) as conn:
+        job_id = client.enqueue(conn, table, "t", {})
+        claim_one(conn, table, lease=timedelta(minutes=5))
+        assert conn.execute(statements.reap(table)).all() == []
+        assert job(conn, table, job_id).status == "running"
+
+
+def test_reap_fails_a_job_at_max_attempts_with_lease_expired(engine: Engine, table: Table) -> None:
+    with autocommit(engine) as conn:
+        job_id = client.enqueue(conn, table, "t", {}, max_attempts=1)
+        claim_one(conn, table, lease=SHORT_LEASE)
+        time.sleep(0.1)
+        assert [tuple(r) for r in conn.execute(statements.reap(table))] == [(job_id, "failed", 1)]
+        row = job(conn, table, job_id)
+        assert (row.status, row.last_error, row.locked_until) == ("failed", "lease expired", None)
+        assert row.finished_at is not None
+        assert conn.execute(statements.claim(table)).all() == []
+
+
+def test_reap_keeps_an_earlier_error_message(engine: Engine, table: Table) -> None:
+    with autocommit(engine) as conn:
+        job_id = client.enqueue(conn, table, "t", {}, max_attempts=3)
+        claim_one(conn, table)
+        conn.execute(statements.fail(table, job_id, 1, "SMTP 451"))
+        make_ready(conn, table, job_id)
+        claim_one(conn, table)
+        # Set the lease in the past instead of sleeping.
+        conn.execute(
+            update(table)
+            .where(table.c.id == job_id)
+            .values(locked_until=func.now() - timedelta(seconds=1))
+        )
+        assert [tuple(r) for r in conn.execute(statements.reap(table))] == [(job_id, "queued", 2)]
+        assert job(conn, table, job_id).last_error == "SMTP 451"
+
+
+# --- the attempts invariant -----------------------------------------------------
+
+
+def test_retry_of_failed_job_raises_max_attempts_and_keeps_attempts(
+    engine: Engine, table: Table
+) -> None:
+    with autocommit(engine) as conn:
+        job_id = client.enqueue(conn, table, "t", {}, max_attempts=1)
+        claim_one(conn, table)
+        assert conn.execute(statements.fail(table, job_id, 1, "boom")).one().status == "failed"
+        assert conn.execute(statements.retry(table, job_id)).one() == (job_id, 1, 2)
+        row = job(conn, table, job_id)
+        assert (row.status, row.attempts, row.max_attempts) == ("queued", 1, 2)
+        assert row.finished_at is None and row.last_error == "boom"
+        assert claim_one(conn, table).attempts == 2
+        # retry touches failed jobs only
+        assert conn.execute(statements.retry(table, job_id)).first() is None
+        conn.execute(statements.complete(table, job_id, 2))
+        assert conn.execute(statements.retry(table, job_id)).first() is None
+        assert job(conn, table, job_id).status == "done"
+
+
+def test_release_requeues_without_lowering_attempts(engine: Engine, table: Table) -> None:
+    with autocommit(engine) as conn:
+        job_id = client.enqueue(conn, table, "t", {})
+        claim_one(conn, table)
+        assert conn.execute(statements.release(table, job_id, 1)).rowcount == 1
+        row = job(conn, table, job_id)
+        assert (row.status, row.attempts, row.locked_until) == ("queued", 1, None)
+        assert claim_one(conn, table).attempts == 2
+
+
+def test_cancel_takes_only_queued_jobs(engine: Engine, table: Table) -> None:
+    with autocommit(engine) as conn:
+        queued = client.enqueue(conn, table, "t", {}, priority=1)
+        running = client.enqueue(conn, table, "t", {})
+        assert conn.execute(statements.cancel(table, queued)).scalars().all() == [queued]
+        row = job(conn, table, queued)
+        assert (row.status, row.last_error, row.attempts) == ("failed", "cancelled", 0)
+        assert row.finished_at is not None
+
+        assert claim_one(conn, table).id == running
+        assert conn.execute(statements.cancel(table, running)).first() is None
+        assert job(conn, table, running).status == "running"
+        conn.execute(statements.complete(table, running, 1))
+        assert conn.execute(statements.cancel(table, running)).first() is None
+        assert conn.execute(statements.cancel(table, queued)).first() is None  # already failed
+        assert job(conn, table, running).status == "done"
+
+
+OPERATIONS = (
+    "claim",
+    "claim_short",
+    "complete",
+    "fail",
+    "release",
+    "reap",
+    "retry",
+    "cancel",
+    "extend",
+    "stale_complete",
+    "make_ready",
+)
+
+
+@settings(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+    database=None,
+)
+@given(ops=st.lists(st.sampled_from(OPERATIONS), min_size=1, max_size=12))
+def test_attempts_never_decreases_under_any_sequence_of_operations(
+    engine: Engine, table: Table, ops: list[str]
+) -> None:
+    with autocommit(engine) as conn:
+        queue = f"q{time.monotonic_ns()}"
+        job_id = client.enqueue(conn, table, "t", {}, queue=queue, max_attempts=3)
+        seen = 0
+        for op in ops:
+            attempts = job(conn, table, job_id).attempts
+            if op in ("claim", "claim_short"):
+                lease = SHORT_LEASE if op == "claim_short" else timedelta(minutes=5)
+                conn.execute(statements.claim(table, queue=queue, lease=lease))
+            elif op == "complete":
+                conn.execute(statements.complete(table, job_id, attempts))
+            elif op == "stale_complete":
+                # a token from an earlier claim never matches once re-claimed
+                assert conn.execute(statements.complete(table, job_id, attempts - 1)).rowcount == 0
+            elif op == "fail":
+                conn.execute(statements.fail(table, job_id, attempts, "x"))
+            elif op == "release":
+                conn.execute(statements.release(table, job_id, attempts))
+            elif op == "reap":
+                conn.execute(
+                    update(table)
+                    .where(table.c.id == job_id, table.c.status == "running")
+                    .values(locked_until=func.now() - timedelta(seconds=1))
+                )
+                conn.execute(statements.reap(table))
+            elif op == "retry":
+                conn.execute(statements.retry(table, job_id))
+            elif op == "cancel":
+                conn.execute(statements.cancel(table, job_id))
+            elif op == "extend":
+                conn.execute(statements.extend_lease(table, job_id, attempts))
+            elif op == "make_ready":
+                make_ready(conn, table, job_id)
+            row = job(conn, table, job_id)
+            assert row.attempts >= seen, (op, row.attempts, seen)
+            seen = row.attempts
+            assert (row.status == "running") == (row.locked_until is not None)
+
+
+# --- unique keys ------------------------------------------------------------------
+
+
+def test_duplicate_unique_key_of_queued_or_running_job_returns_existing_id(
+    engine: Engine, table: Table
+) -> None:
+    with autocommit(engine) as conn:
+        first = client.enqueue(conn, table, "t", {"n": 1}, unique_key="k")
+        assert client.enqueue(conn, table, "t", {"n": 2}, unique_key="k") == first
+        assert count(conn, table) == 1
+        claim_one(conn, table)
+        assert client.enqueue(conn, table, "t", {"n": 3}, unique_key="k") == first
+        assert count(conn, table) == 1
+        assert job(conn, table, first).payload == {"n": 1}
+
+
+def test_unique_key_is_free_again_once_the_job_is_done_or_failed(
+    engine: Engine, table: Table
+) -> None:
+    with autocommit(engine) as conn:
+        first = client.enqueue(conn, table, "t", {}, unique_key="k", max_attempts=1)
+        claim_one(conn, table)
+        conn.execute(statements.complete(table, first, 1))
+        second = client.enqueue(conn, table, "t", {}, unique_key="k", max_attempts=1)
+        assert second != first
+        claim_one(conn, table)
+        conn.execute(statements.fail(table, second, 1, "boom"))
+        third = client.enqueue(conn, table, "t", {}, unique_key="k")
+        assert third not in (first, second)
+        assert client.enqueue(conn, table, "t", {}, unique_key="k") == third
+        assert count(conn, table) == 3
+
+
+def test_enqueue_many_returns_ids_in_input_order_with_duplicate_keys(
+    engine: Engine, table: Table
+) -> None:
+    with autocommit(engine) as conn:
+        existing = client.enqueue(conn, table, "t", {"i": "existing"}, unique_key="old")
+        keys = [None, "a", "old", None, "a", "b", None, "old", "b", None]
+        rows = [NewJob("t", {"i": i}, unique_key=k) for i, k in enumerate(keys)]
+        ids = client.enqueue_many(conn, table, rows)
+        assert len(ids) == len(keys)
+        assert ids[2] == ids[7] == existing
+        assert ids[1] == ids[4] and ids[5] == ids[8]
+        new_positions = [0, 1, 3, 5, 6, 9]  # first occurrence of each new job
+        new_ids = [ids[i] for i in new_positions]
+        assert len(set(new_ids)) == len(new_ids) and existing not in new_ids
+        assert new_ids == sorted(new_ids)  # inserted in input order
+        for i in new_positions:  # each id is the row that was asked for at i
+            row = job(conn, table, ids[i])
+            assert (row.payload, row.unique_key) == ({"i": i}, keys[i])
+        assert count(conn, table) == 1 + len(new_positions)
+
+
+def test_enqueue_many_of_plain_rows_maps_ids_to_rows_in_order(engine: Engine, table: Table) -> None:
+    with autocommit(engine) as conn:
+        rows = [NewJob("t", {"i": i}, priority=i % 3) for i in range(7000)]  # two pages
+        ids = client.enqueue_many(conn, table, rows)
+        assert ids == sorted(ids) and len(set(ids)) == 7000
+        got = dict(conn.execute(select(table.c.id, table.c.payload["i"].as_integer())).all())
+        assert [got[i] for i in ids] == list(range(7000))
+
+
+# --- prune, next_run_at, stats ---------------------------------------------------------
+
+
+def test_prune_deletes_only_finished_jobs_older_than_the_cutoff_in_batches(
+    engine: Engine, table: Table
+) -> None:
+    with autocommit(engine) as conn:
+        ids = client.enqueue_many(conn, table, [NewJob("t", {}) for _ in range(6)])
+        claimed = conn.execute(statements.claim(table, limit=4)).all()
+        done = [(r.id, r.attempts) for r in claimed[:3]]
+        conn.execute(statements.complete_many(table, done))
+        conn.execute(statements.fail(table, claimed[3].id, 1, "x"))
+        conn.execute(statements.cancel(table, ids[5]))
+        # now: 3 done, 1 cancelled (failed), 2 queued (one of them failed once)
+        kept = statements.prune(table, older_than=timedelta(hours=1))
+        assert conn.execute(kept).rowcount == 0
+        assert conn.execute(statements.prune(table, older_than=timedelta(0), limit=2)).rowcount == 2
+        assert conn.execute(statements.prune(table, older_than=timedelta(0), limit=2)).rowcount == 2
+        assert conn.execute(statements.prune(table, older_than=timedelta(0), limit=2)).rowcount == 0
+        left = conn.execute(select(table.c.status).order_by(table.c.id)).scalars().all()
+        assert sorted(left) == ["queued", "queued"]  # the failed-once job is queued again
+    with pytest.raises(InvalidJob):
+        statements.prune(table, older_than=timedelta(0), statuses=["queued"])
+
+
+def test_next_run_at_reports_the_earliest_queued_job_even_if_delayed(
+    engine: Engine, table: Table
+) -> None:
+    with autocommit(engine) as conn:
+        assert conn.execute(statements.next_run_at(table)).first()[0] is None
+        later = datetime.now(UTC) + timedelta(hours=2)
+        client.enqueue(conn, table, "t", {}, run_at=later)
+        client.enqueue(conn, table, "t", {}, delay=timedelta(hours=3))
+        client.enqueue(conn, table, "t", {}, queue="other")
+        assert conn.execute(statements.next_run_at(table)).first()[0] == later
+        both = statements.next_run_at(table, queue=["default", "other"])
+        assert conn.execute(both).first()[0] < later
+
+
+def test_stats_counts_per_queue_and_status_with_expired_leases(
+    engine: Engine, table: Table
+) -> None:
+    with autocommit(engine) as conn:
+        client.enqueue_many(conn, table, [NewJob("t", {}) for _ in range(3)])
+        client.enqueue(conn, table, "t", {}, queue="mail")
+        claim_one(conn, table, lease=SHORT_LEASE)
+        time.sleep(0.1)
+        got = {(r.queue, r.status): r for r in conn.execute(statements.stats(table))}
+        assert {k: r.count for k, r in got.items()} == {
+            ("default", "queued"): 2,
+            ("default", "running"): 1,
+            ("mail", "queued"): 1,
+        }
+        assert got[("default", "running")].expired_leases == 1
+        assert got[("default", "queued")].oldest_ready_age >= 0
+
+
+# --- hostile strings ------------------------------------------------------------------
+
+HOSTILE = [
+    "it's",
+    'say "hi"',
+    "a;b",
+    "'; DROP TABLE jobs; --",
+    '"; DROP TABLE jobs; --',
+    "🦄 ünïcödé ✓ 漢字",
+    "%(queue)s %s $1 :id ?",
+    "back\\slash \\x00 \\u0000",
+    "new\nline\ttab\r",
+    "x" * 1000,
+]
+
+
+@pytest.mark.parametrize("value", HOSTILE, ids=lambda v: repr(v[:20]))
+def test_hostile_strings_round_trip_verbatim_through_enqueue_and_claim(
+    engine: Engine, table: Table, value: str
+) -> None:
+    payload = {"s": value, value: [value], "n": 1}
+    with autocommit(engine) as conn:
+        one = client.enqueue(conn, table, value, payload, queue=value, unique_key=value)
+        assert client.enqueue(conn, table, value, payload, queue=value, unique_key=value) == one
+        many = client.enqueue_many(
+            conn, table, [NewJob(value, payload, queue=value, unique_key=value + "2")]
+        )
+        rows = conn.execute(statements.claim(table, queue=value)).all()
+        assert sorted(r.id for r in rows) == sorted([one, *many])
+        for r in rows:
+            assert (r.task, r.queue, r.payload) == (value, value, payload)
+        keys = conn.execute(select(table.c.unique_key).order_by(table.c.id)).scalars().all()
+        assert keys == [value, value + "2"]
+        assert conn.execute(statements.claim(table, queue=[value, "x"])).all() == []
+        assert conn.execute(statements.fail(table, one, 1, value)).one().status == "queued"
+        assert job(conn, table, one).last_error == value
+        assert conn.execute(select(func.count()).select_from(table)).scalar() == 2
+
+
+def test_10kb_task_names_and_payload_strings_round_trip_verbatim(
+    engine: Engine, table: Table
+) -> None:
+    rng = random.Random(7)
+    for big in ("x" * 10_240, "".join(rng.choice("ab;'\"-🦄漢 ") for _ in range(10_240))):
+        payload = {"s": big, big: [big]}
+        with autocommit(engine) as conn:
+            job_id = client.enqueue(conn, table, big, payload)
+            (many,) = client.enqueue_many(conn, table, [NewJob(big, payload)])
+            rows = conn.execute(statements.claim(table)).all()
+            assert sorted(r.id for r in rows) == [job_id, many]
+            assert all((r.task, r.payload) == (big, payload) for r in rows)
+
+
+def test_queue_names_and_unique_keys_are_capped_at_1024_bytes(engine: Engine, table: Table) -> None:
+    """Queue names are NOTIFY payloads (< 8000 bytes) and both are btree index
+    keys (about 2.7 kB): a longer one is refused up front, not by the database."""
+    rng = random.Random(11)
+    at_limit = "".join(rng.choice("abcdefghij'\";- ") for _ in range(statements.MAX_KEY_BYTES))
+    with autocommit(engine) as conn:
+        job_id = client.enqueue(conn, table, "t", {}, queue=at_limit, unique_key=at_limit)
+        row = claim_one(conn, table, queue=at_limit)
+        assert (row.id, row.queue) == (job_id, at_limit)
+        assert job(conn, table, job_id).unique_key == at_limit
+        for options in ({"queue": at_limit + "x"}, {"unique_key": "🦄" * 257}):
+            with pytest.raises(InvalidJob, match="1024 bytes"):
+                client.enqueue(conn, table, "t", {}, **options)
+            with pytest.raises(InvalidJob, match="1024 bytes"):
+                client.enqueue_many(conn, table, [NewJob("t", {}, **options)])
+        assert count(conn, table) == 1
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"task": "bad\x00task"},
+        {"queue": "bad\x00queue"},
+        {"payload": {"s": "bad\x00value"}},
+        {"payload": {"bad\x00key": 1}},
+        {"unique_key": "bad\x00key"},
+    ],
+    ids=["task", "queue", "payload-value", "payload-key", "unique_key"],
+)
+def test_nul_is_refused_before_anything_is_written(
+    engine: Engine, table: Table, options: dict[str, Any]
+) -> None:
+    task = options.pop("task", "t")
+    payload = options.pop("payload", {})
+    with autocommit(engine) as conn:
+        with pytest.raises(InvalidJob, match="NUL"):
+            client.enqueue(conn, table, task, payload, **options)
+        with pytest.raises(InvalidJob, match="NUL"):
+            client.enqueue_many(conn, table, [NewJob(task, payload, **options)])
+        assert count(conn, table) == 0
+    if "queue" in options:
+        with pytest.raises(InvalidJob, match="NUL"):
+            statements.claim(table, queue=options["queue"])
+
+
+# Any text but NUL and lone surrogates (which UTF-8 cannot encode), short
+# enough to stay under the 1024-byte cap on queue names and unique keys.
+_TEXT = st.text(
+    st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=200
+)
+
+
+@settings(
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+    database=None,
+)
+@given(queue=_TEXT, task=_TEXT, key=_TEXT, value=_TEXT)
+def test_any_text_without_nul_round_trips(
+    engine: Engine, table: Table, queue: str, task: str, key: str, value: str
+) -> None:
+    payload = {key: value, "list": [value, key]}
+    with autocommit(engine) as conn:
+        conn.execute(table.delete())
+        job_id = client.enqueue(conn, table, task, payload, queue=queue, unique_key=key)
+        row = claim_one(conn, table, queue=queue)
+        assert (row.id, row.task, row.queue, row.payload) == (job_id, task, queue, payload)
+        assert job(conn, table, job_id).unique_key == key
+
+
+# --- plans --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def history(engine: Engine, table: Table) -> Table:
+    """50,000 done jobs and 300 queued ones, analysed."""
+    with autocommit(engine) as conn:
+        name = table.name
+        conn.exec_driver_sql(
+            f'INSERT INTO "{name}" (payload, status, finished_at, created_at) '
+            "SELECT jsonb_build_object('i', g), 'done', now(), now() - interval '1 day' "
+            "FROM generate_series(1, 50000) AS g"
+        )
+        conn.exec_driver_sql(
+            f'INSERT INTO "{name}" (payload, queue) '
+            "SELECT jsonb_build_object('i', g), "
+            "CASE WHEN g %% 3 = 0 THEN 'mail' ELSE 'default' END "
+            "FROM generate_series(1, 300) AS g"
+        )
+        conn.exec_driver_sql(f'ANALYZE "{name}"')
+    return table
+
+
+def cte_plan(conn: Connection, sql: str, params: Any = None) -> dict[str, Any]:
+    """The plan of the claim's locking CTE, from EXPLAIN (FORMAT JSON)."""
+    plan = conn.exec_driver_sql(f"EXPLAIN (COSTS OFF, FORMAT JSON) {sql}", params).scalar_one()
+    root = plan[0]["Plan"]
+    ctes = [p for p in root.get("Plans", []) if p.get("Subplan Name", "").startswith("CTE ")]
+    assert len(ctes) == 1, root
+    return ctes[0]
+
+
+def assert_limit_lockrows_index_scan(node: dict[str, Any], index: str) -> None:
+    assert node["Node Type"] == "Limit", node
+    (lock,) = node["Plans"]
+    assert lock["Node Type"] == "LockRows", lock
+    (scan,) = lock["Plans"]
+    assert scan["Node Type"] == "Index Scan", scan
+    assert scan["Index Name"] == index
+
+
+def dollar_params(sql: str) -> tuple[str, list[str]]:
+    """Rewrite pyformat placeholders as $1.. for PREPARE; returns the names in order."""
+    order: list[str] = []
+
+    def number(match: re.Match[str]) -> str:
+        if match.group(1) not in order:
+            order.append(match.group(1))
+        return f"${order.index(match.group(1)) + 1}"
+
+    return re.sub(r"%\((\w+)\)s", number, sql), order
+
+
+def test_claim_walks_the_claim_index_past_finished_history(engine: Engine, history: Table) -> None:
+    compiled = statements.claim(history, limit=10).compile(dialect=postgresql.psycopg.dialect())
+    with engine.connect() as conn:
+        node = cte_plan(conn, str(compiled), compiled.params)
+        assert_limit_lockrows_index_scan(node, f"{history.name}_claim_idx")
+        rows = conn.execute(statements.claim(history, limit=10)).all()
+        assert len(rows) == 10 and {r.queue for r in rows} == {"default"}
+        conn.rollback()
+
+
+def test_the_articles_classic_claim_uses_the_ready_index(engine: Engine, history: Table) -> None:
+    name = history.name
+    classic = f"""
+        WITH next AS (
+          SELECT id FROM "{name}"
+          WHERE queue = 'default' AND status = 'queued' AND run_at <= now()
+          ORDER BY run_at
+          LIMIT 1
+          FOR UPDATE
+        )
+        UPDATE "{name}" j
+        SET status = 'running', attempts = j.attempts + 1
+        FROM next
+        WHERE j.id = next.id
+        RETURNING j.id"""
+    with engine.connect() as conn:
+        assert_limit_lockrows_index_scan(cte_plan(conn, classic), f"{name}_ready_idx")
+        skip_locked = classic.replace("FOR UPDATE", "FOR UPDATE SKIP LOCKED")
+        assert_limit_lockrows_index_scan(cte_plan(conn, skip_locked), f"{name}_ready_idx")
+
+
+def test_generic_plan_of_prepared_claim_still_uses_the_partial_index(
+    engine: Engine, history: Table
+) -> None:
+    """Status literals are inline for this: a parameter could not prove the
+    partial index's predicate, and a generic plan would scan the whole table."""
+    compiled = statements.claim(history, limit=10).compile(dialect=postgresql.psycopg.dialect())
+    sql, order = dollar_params(str(compiled))
+    assert "'queued'" in sql and "'running'" in sql
+    literals = {"queue": "'default'", "limit": "10", "lease": "interval '5 minutes'"}
+    args = ", ".join(literals.get(n, "1") for n in order)
+    status_param = sql.replace("status = 'queued'", f"status = ${len(order) + 1}")
+    assert status_param != sql
+    with engine.connect() as conn:
+        conn.exec_driver_sql("SET plan_cache_mode = force_generic_plan")
+        conn.exec_driver_sql(f"PREPARE jobq_claim AS {sql}")
+        node = cte_plan(conn, f"EXECUTE jobq_claim({args})")
+        assert_limit_lockrows_index_scan(node, f"{history.name}_claim_idx")
+        assert "$1" in str(node)  # it is the generic plan: the queue is still a parameter
+
+        # The contrast: the same claim with the status as a parameter cannot.
+        conn.exec_driver_sql(f"PREPARE jobq_claim_param AS {status_param}")
+        plan = (
+            conn.exec_driver_sql(f"EXPLAIN (COSTS OFF) EXECUTE jobq_claim_param({args}, 'queued')")
+            .scalars()
+            .all()
+        )
+        assert not any("_claim_idx" in line or "_ready_idx" in line for line in plan), plan
+        conn.rollback()
+
+
+def test_reaper_uses_the_running_index(engine: Engine, history: Table) -> None:
+    reap = statements.reap(history).compile(dialect=postgresql.psycopg.dialect())
+    with engine.connect() as conn:
+        plan = conn.exec_driver_sql(f"EXPLAIN (COSTS OFF) {reap}", reap.params).scalars().all()
+        assert any(f"{history.name}_running_idx" in line for line in plan), plan
+        conn.rollback()
