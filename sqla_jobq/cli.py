@@ -344,6 +344,14 @@ def worker(
     prune_interval: Annotated[
         float, typer.Option(envvar="JOBQ_PRUNE_INTERVAL", help="Seconds between prune runs.")
     ] = 3600.0,
+    prefetch: Annotated[
+        int,
+        typer.Option(
+            envvar="JOBQ_PREFETCH",
+            help="Most jobs claimed ahead of free slots while jobs are short "
+            "(about 10 ms of work); 0: off.",
+        ),
+    ] = 64,
     log_level: Annotated[
         str, typer.Option(envvar="JOBQ_LOG_LEVEL", help="DEBUG, INFO, WARNING.")
     ] = "INFO",
@@ -374,6 +382,7 @@ def worker(
             prepared=prepared,
             prune_older_than=parse_duration(prune_older_than) if prune_older_than else None,
             prune_interval=prune_interval,
+            prefetch=prefetch,
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None
@@ -409,11 +418,11 @@ def demo(
     ] = None,
 ) -> None:
     """The article's naive claim racing, SKIP LOCKED fixing it, and a lease running out."""
-    from .demo import RichScreen, run_demo
+    from .demo import RichScreen, embedded_left_as_found, run_demo
 
-    run_demo(
-        require_url(database_url or "embedded"), jobs=jobs, workers=workers, screen=RichScreen()
-    )
+    with embedded_left_as_found(enabled=not database_url):
+        url = require_url(database_url or "embedded")
+        run_demo(url, jobs=jobs, workers=workers, screen=RichScreen())
 
 
 @app.command("doctor")
@@ -435,6 +444,37 @@ def doctor_command(
         engine.dispose()
     typer.echo(report.to_json() if as_json else render_text(report))
     raise typer.Exit(report.exit_status)
+
+
+@app.command()
+def bench(
+    rounds: Annotated[int, typer.Option(min=1, help="Rounds per figure (the median).")] = 3,
+    quick: Annotated[bool, typer.Option(help="Smoke run with small sizes.")] = False,
+    only: Annotated[
+        list[str] | None, typer.Option(help="Only this benchmark (repeatable).")
+    ] = None,
+    json_path: Annotated[
+        str | None, typer.Option("--json", help="Results file (default bench/results/latest.json).")
+    ] = None,
+) -> None:
+    """Run the benchmark suite of a source checkout (the same as `python -m bench`)."""
+    import importlib
+    import os
+
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        runner = importlib.import_module("bench.runner")
+    except ImportError:
+        raise fail(
+            "the benchmarks live in the source checkout: run `jobq bench` from its root"
+        ) from None
+    argv = ["--rounds", str(rounds)]
+    argv += ["--quick"] if quick else []
+    for name in only or []:
+        argv += ["--only", name]
+    argv += ["--json", json_path] if json_path else []
+    raise typer.Exit(runner.main(argv))
 
 
 def main() -> None:

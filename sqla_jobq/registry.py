@@ -37,6 +37,10 @@ class Job:
     max_attempts: int
 
 
+# Task.enqueue's own keyword options: a task parameter of the same name could
+# never be passed through it.
+RESERVED_PARAMETERS = frozenset({"conn", "run_at", "delay", "unique_key"})
+
 _current_job: ContextVar[Job] = ContextVar("sqla_jobq_current_job")
 
 
@@ -214,6 +218,12 @@ class Registry:
                 raise ValueError(f"task {task_name!r} is registered twice")
             if lease <= timedelta(0):
                 raise ValueError(f"lease must be positive, got {lease}")
+            clashes = RESERVED_PARAMETERS & set(inspect.signature(f).parameters)
+            if clashes:
+                raise ValueError(
+                    f"task {task_name!r} has parameters named {sorted(clashes)}, which "
+                    "Task.enqueue takes as its own options: rename them"
+                )
             registered: Task[P, R] = Task(
                 f,
                 name=task_name,

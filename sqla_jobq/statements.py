@@ -135,7 +135,8 @@ def _short_text(what: str, value: str) -> str:
     return value
 
 
-def _error_text(error: str) -> str:
+def error_text(error: str) -> str:
+    """An error message PostgreSQL text can store (NUL removed)."""
     if not isinstance(error, str):
         raise InvalidJob(f"error must be a string, not {type(error).__name__}")
     return error.replace("\x00", "")
@@ -421,7 +422,7 @@ def fail(table: Table, id: int, attempts: int, error: str) -> Update:
             finished_at=case((final, func.now()), else_=null()),
             # An exception's text may hold NUL, which text cannot store: strip it
             # (refusing it would make a failing job impossible to record).
-            last_error=bindparam("error", _error_text(error), type_=Text),
+            last_error=bindparam("error", error_text(error), type_=Text),
         )
         .returning(c.id, c.status, c.attempts, c.run_at, (c.run_at - func.now()).label("retry_in"))
     )
@@ -547,7 +548,8 @@ def archive(
     One statement, ``WITH moved AS (DELETE ... RETURNING *) INSERT INTO
     <table>_archive SELECT ... FROM moved``: the delete and the copy commit or
     fail together, so no job is ever in both tables or in neither. Ids are
-    kept; `archived_at` takes its default. The row count is the number moved.
+    kept; `archived_at` takes its default. The row count is the number moved
+    (`preserve_rowcount`: SQLAlchemy reports an INSERT's row count only when asked).
     """
     moved = (
         table.delete()
@@ -561,6 +563,7 @@ def archive(
         insert(target)
         .from_select(columns, select(*(moved.c[name] for name in columns)))
         .add_cte(moved)
+        .execution_options(preserve_rowcount=True)
     )
 
 

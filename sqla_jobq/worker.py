@@ -2,10 +2,16 @@
 
 One asyncio loop drives everything. Claims are committed the moment they are
 made (autocommit), so no transaction is open while a handler runs; `async def`
-handlers run as tasks, plain functions on a thread pool. Completions are
+handlers run as tasks, plain functions on handler threads. Completions are
 batched into one fenced statement per flush; failures, lease extensions and
 releases are fenced too, and a fenced statement that matches no row means the
 job was taken away: the worker logs it and touches nothing else.
+
+Round trips per job, not SQL, set the pace, so the hot path is batched end to
+end: claims come in batches (with a small prefetch buffer while jobs are
+short, so the next claim is in flight while the last batch runs), finished
+sync handlers come back to the loop in batches, and completions go out in
+batches.
 """
 
 from __future__ import annotations
@@ -17,10 +23,10 @@ import functools
 import logging
 import os
 import signal
+import threading
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Awaitable, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -40,6 +46,13 @@ RETRY_START = 0.1
 RETRY_MAX = 5.0
 FINISH_RETRIES = 12
 PRUNE_BATCH = 10_000
+# The prefetch buffer holds about this much work (estimated from a moving
+# average of handler durations), so a prefetched job waits about this long
+# for a slot: for no-op jobs that is dozens of jobs, for 10 ms jobs a few, and
+# jobs longer than that are not prefetched at all (a claim's round trip is
+# noise next to them).
+PREFETCH_SECONDS = 0.01
+DEFAULT_PREFETCH = 64
 
 
 @dataclass(frozen=True)
@@ -57,11 +70,17 @@ class WorkerOptions:
     prepared: bool = True
     prune_older_than: timedelta | None = None
     prune_interval: float = 3600.0
+    # At most this many jobs claimed beyond the free slots, and only while
+    # jobs are short (see PREFETCH_SECONDS); 0 turns prefetching off. Their
+    # leases run (and are extended) while they wait.
+    prefetch: int = DEFAULT_PREFETCH
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, got {self.concurrency}")
-        for what in ("poll_interval", "shutdown_timeout", "reap_interval"):
+        if self.prefetch < 0:
+            raise ValueError(f"prefetch must not be negative, got {self.prefetch}")
+        for what in ("poll_interval", "shutdown_timeout", "reap_interval", "prune_interval"):
             if getattr(self, what) < 0:
                 raise ValueError(f"{what.replace('_', '-')} must not be negative")
 
@@ -118,6 +137,125 @@ class Finisher:
             future.set_result(job_id in owned)
 
 
+class HandlerThreads:
+    """Runs plain (sync) handlers on threads, waking as few threads as it can.
+
+    What `run_in_executor` pays per job (a concurrent Future, its asyncio
+    twin, a thread woken to take it and the loop woken to hear back) is paid
+    here per batch. Jobs handed over in one turn of the loop wake one thread,
+    which runs them one after another: cheap handlers never pay a thread
+    switch each. If jobs are still waiting `spread_after` seconds later, a
+    handler is slow: every waiting job gets a thread of its own (at most
+    `size`, and the worker never has more than `size` jobs out), so a slow job
+    delays the others of its batch by about a millisecond, not by itself.
+    Finished jobs are collected in a list, and only the first of a batch wakes
+    the loop.
+    """
+
+    def __init__(self, size: int, spread_after: float = 0.001) -> None:
+        self.size = size
+        self.spread_after = spread_after
+        self.pending: deque[tuple[asyncio.Future[None], Callable[[], object]]] = deque()
+        self.permits = threading.Semaphore(0)
+        self.threads: list[threading.Thread] = []
+        self.lock = threading.Lock()
+        self.busy = 0  # threads inside a handler (under lock)
+        self.unclaimed = 0  # permits released and not yet taken (under lock)
+        self.done: list[tuple[asyncio.Future[None], BaseException | None]] = []
+        self.closing = False
+        self.kicked = False
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def run(self, call: Callable[[], object]) -> asyncio.Future[None]:
+        """Run `call` on a thread; the future resolves with its outcome."""
+        if self.loop is None:
+            self.loop = asyncio.get_running_loop()
+        future = self.loop.create_future()
+        self.pending.append((future, call))
+        if not self.kicked:
+            self.kicked = True
+            self.loop.call_soon(self._kick)
+        return future
+
+    def _kick(self) -> None:
+        self.kicked = False
+        self._wake(1)
+        assert self.loop is not None
+        self.loop.call_later(self.spread_after, self._spread)
+
+    def _spread(self) -> None:
+        waiting = len(self.pending)
+        if waiting:
+            self._wake(waiting)
+            assert self.loop is not None
+            self.loop.call_later(self.spread_after, self._spread)
+
+    def _wake(self, count: int) -> None:
+        """Make sure `count` threads are awake or about to be, starting new ones if needed."""
+        with self.lock:
+            release = max(0, count - self.unclaimed)
+            self.unclaimed += release
+            needed = min(self.size, self.busy + self.unclaimed)
+        for _ in range(needed - len(self.threads)):
+            thread = threading.Thread(
+                target=self._work, name=f"jobq_{len(self.threads)}", daemon=True
+            )
+            self.threads.append(thread)
+            thread.start()
+        for _ in range(release):
+            self.permits.release()
+
+    def _work(self) -> None:
+        assert self.loop is not None
+        while True:
+            self.permits.acquire()
+            if self.closing:
+                return
+            with self.lock:
+                self.unclaimed -= 1
+            while True:
+                try:
+                    future, call = self.pending.popleft()
+                except IndexError:
+                    break
+                with self.lock:
+                    self.busy += 1
+                error: BaseException | None = None
+                try:
+                    call()
+                except BaseException as exc:
+                    error = exc
+                with self.lock:
+                    self.busy -= 1
+                    self.done.append((future, error))
+                    first = len(self.done) == 1
+                if first:
+                    try:
+                        self.loop.call_soon_threadsafe(self._deliver)
+                    except RuntimeError:  # the loop is closed: nobody is waiting any more
+                        return
+
+    def _deliver(self) -> None:
+        with self.lock:
+            batch, self.done = self.done, []
+        for future, error in batch:
+            if future.cancelled():
+                continue
+            if error is None:
+                future.set_result(None)
+            else:
+                future.set_exception(error)
+
+    def shutdown(self, timeout: float = 1.0) -> None:
+        """Let idle threads exit; a handler still running keeps its thread."""
+        self.closing = True
+        for _ in self.threads:
+            self.permits.release()
+        deadline = time.monotonic() + timeout
+        for thread in self.threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+
 async def retrying(what: str, call: Callable[[], Awaitable[T]]) -> T:
     """Retry a statement across lost connections, with backoff, a bounded number of times.
 
@@ -147,13 +285,16 @@ class Worker:
         self.claimer = self._driver()
         self.finisher = Finisher(self._driver())
         self.active: dict[int, Running] = {}
+        self.ready: deque[Running] = deque()  # claimed, waiting for a free slot
         self.executing = 0
+        self.avg_handler: float | None = None  # seconds, moving average
+        self.payload_keys: dict[str, set[frozenset[str]]] = defaultdict(set)
         self.event = asyncio.Event()
         self.stopping = False
         self.last_reap = float("-inf")
         self.last_prune = float("-inf")
         self.job_tasks: set[asyncio.Task[None]] = set()
-        self.executor = ThreadPoolExecutor(options.concurrency, thread_name_prefix="jobq")
+        self.threads = HandlerThreads(options.concurrency)
         self.processed = 0
 
     def _driver(self) -> Driver:
@@ -202,7 +343,7 @@ class Worker:
                 await listener.stop()
             await self.claimer.close()
             await self.finisher.driver.close()
-            self.executor.shutdown(wait=False, cancel_futures=True)
+            self.threads.shutdown()
             for sig in signals:
                 loop.remove_signal_handler(sig)
         log.info("worker stopped after %d jobs", self.processed)
@@ -224,17 +365,39 @@ class Worker:
             os._exit(1)
         self.stop()
 
+    def _room(self) -> int:
+        """How many jobs to claim now (0: wait until running jobs make room).
+
+        Idle slots are filled at once. Beyond them, while jobs are short,
+        about PREFETCH_SECONDS of work (at most `prefetch` jobs) is claimed
+        ahead, so the next batch is in flight while this one runs and claims
+        come in batches of dozens; that top-up waits until it is worth a
+        round trip (half the capacity).
+        """
+        concurrency = self.options.concurrency
+        free = concurrency - self.executing - len(self.ready)
+        extra = 0
+        if self.avg_handler is not None:
+            per_slot = PREFETCH_SECONDS / max(self.avg_handler, 1e-6)
+            extra = min(self.options.prefetch, int(concurrency * per_slot))
+        room = free + extra
+        if room <= 0:
+            return 0
+        if free > 0 and not self.ready:
+            return room
+        return room if room >= (concurrency + extra) // 2 else 0
+
     async def _claim_loop(self) -> None:
         delay = RETRY_START
         while not self.stopping:
-            free = self.options.concurrency - self.executing
-            if free <= 0:
+            want = self._room()
+            if want <= 0:
                 await self._wait(None)
                 continue
             self.event.clear()
             try:
                 await self._maintain()
-                rows = await self.claimer.claim(free)
+                rows = await self.claimer.claim(want)
             except psycopg.Error as exc:
                 log.warning("claim failed (%s); retrying in %.1fs", exc, delay)
                 await self._wait(delay, interruptible=False)
@@ -242,11 +405,12 @@ class Worker:
                 continue
             delay = RETRY_START
             for row in rows:
-                self._start(row)
-            if len(rows) == free:
+                self._take(row)
+            self._dispatch()
+            if len(rows) == want:
                 continue
             if self.options.burst:
-                if self.executing == 0 and not rows:
+                if self.executing == 0 and not rows and not self.ready:
                     return
                 await self._wait(None)
                 continue
@@ -297,7 +461,8 @@ class Worker:
         if total:
             log.info("pruned %d finished jobs older than %s", total, older_than)
 
-    def _start(self, row: ClaimedRow) -> None:
+    def _take(self, row: ClaimedRow) -> None:
+        """A claimed job: ours from now on (its lease is watched), queued for a slot."""
         task = self.registry.get(row.task)
         lease = task.lease if task is not None else self.claim_lease
         now = time.monotonic()
@@ -305,11 +470,22 @@ class Worker:
         # not its own: date the last extension back so the first heartbeat is
         # due a third of the way into the claim lease, not into the task's.
         head_start = (lease - self.claim_lease).total_seconds() / 3
-        self.active[row.id] = Running(row, lease, now, now - head_start)
-        self.executing += 1
-        job_task = asyncio.create_task(self._execute(row))
-        self.job_tasks.add(job_task)
-        job_task.add_done_callback(self.job_tasks.discard)
+        entry = Running(row, lease, now, now - head_start)
+        self.active[row.id] = entry
+        self.ready.append(entry)
+
+    def _dispatch(self) -> None:
+        """Start waiting jobs while slots are free."""
+        while self.ready and self.executing < self.options.concurrency and not self.stopping:
+            entry = self.ready.popleft()
+            if entry.lost:  # its lease went while it waited: not ours to run
+                self.active.pop(entry.row.id, None)
+                continue
+            entry.started = time.monotonic()
+            self.executing += 1
+            job_task = asyncio.create_task(self._execute(entry.row))
+            self.job_tasks.add(job_task)
+            job_task.add_done_callback(self.job_tasks.discard)
 
     async def _execute(self, row: ClaimedRow) -> None:
         entry = self.active[row.id]
@@ -318,7 +494,12 @@ class Worker:
         finally:
             entry.handler_done = True
             self.executing -= 1
-            self.wake()
+            took = time.monotonic() - entry.started
+            avg = self.avg_handler
+            self.avg_handler = took if avg is None else avg + (took - avg) / 8
+            self._dispatch()
+            if self._room():
+                self.wake()
         try:
             outcome = "lost" if entry.lost else await self._finish(row, error)
         except psycopg.Error as exc:
@@ -343,10 +524,15 @@ class Worker:
             return f"UnknownTask: task {row.task!r} is not registered on this worker"
         if not isinstance(row.payload, dict):
             return f"InvalidPayload: expected a JSON object, got {type(row.payload).__name__}"
-        try:
-            task.signature.bind(**row.payload)
-        except TypeError as exc:
-            return f"InvalidPayload: payload does not match {task.name}{task.signature}: {exc}"
+        # Whether keyword arguments bind depends only on their names: check
+        # each set of names once per task.
+        keys = frozenset(row.payload)
+        if keys not in self.payload_keys[task.name]:
+            try:
+                task.signature.bind(**row.payload)
+            except TypeError as exc:
+                return f"InvalidPayload: payload does not match {task.name}{task.signature}: {exc}"
+            self.payload_keys[task.name].add(keys)
         context = contextvars.copy_context()
         job = Job(row.id, row.task, row.queue, row.payload, row.attempts, row.max_attempts)
         context.run(set_current_job, job)
@@ -355,8 +541,7 @@ class Worker:
                 entry.task = asyncio.create_task(task.fn(**row.payload), context=context)
                 await entry.task
             else:
-                call = functools.partial(context.run, task.fn, **row.payload)
-                await asyncio.get_running_loop().run_in_executor(self.executor, call)
+                await self.threads.run(functools.partial(context.run, task.fn, **row.payload))
         except asyncio.CancelledError:
             if entry.lost:
                 return "cancelled: lease lost"
@@ -401,7 +586,8 @@ class Worker:
         for entry in entries:
             if entry.row.id in owned:
                 entry.extended = now
-            elif entry.row.id in self.active:
+            elif entry.row.id in self.active and not entry.handler_done:
+                # A finished handler's completion may simply have landed first.
                 self._lose(entry)
 
     def _lose(self, entry: Running) -> None:
@@ -417,25 +603,35 @@ class Worker:
             entry.task.cancel()
 
     async def _shutdown(self) -> None:
-        """Let running jobs finish within the timeout, then hand the rest back."""
+        """Hand back jobs not started, let running ones finish within the
+        timeout, then hand the rest back too."""
+        while self.ready:
+            entry = self.ready.popleft()
+            if not entry.lost:
+                await self._release(entry, "not started")
+            self.active.pop(entry.row.id, None)
         if self.job_tasks:
             log.info("waiting for %d running jobs", len(self.job_tasks))
             await asyncio.wait(set(self.job_tasks), timeout=self.options.shutdown_timeout)
         for entry in list(self.active.values()):
             if entry.lost or entry.handler_done:
                 continue
-            entry.lost = True
-            released = await self.finisher.driver.release(entry.row.id, entry.row.attempts)
-            log.warning(
-                "job %d task=%s attempt=%d: unfinished at shutdown, %s",
-                entry.row.id,
-                entry.row.task,
-                entry.row.attempts,
-                "returned to the queue" if released else "no longer ours",
-            )
+            await self._release(entry, "unfinished")
             if entry.task is not None:
                 entry.task.cancel()
         for job_task in self.job_tasks:
             job_task.cancel()
         await asyncio.gather(*self.job_tasks, return_exceptions=True)
         await self.finisher.flush()
+
+    async def _release(self, entry: Running, why: str) -> None:
+        entry.lost = True
+        released = await self.finisher.driver.release(entry.row.id, entry.row.attempts)
+        log.warning(
+            "job %d task=%s attempt=%d: %s at shutdown, %s",
+            entry.row.id,
+            entry.row.task,
+            entry.row.attempts,
+            why,
+            "returned to the queue" if released else "no longer ours",
+        )

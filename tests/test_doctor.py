@@ -16,7 +16,7 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -25,11 +25,12 @@ import psycopg
 import pytest
 from sqlalchemy import Engine, Table, create_engine, text
 from sqlalchemy.engine import Connection
+from sqlalchemy.exc import InternalError
 from sqlalchemy.pool import NullPool
 
 from sqla_jobq import client, statements
 from sqla_jobq.db import conninfo, sqlalchemy_url
-from sqla_jobq.doctor import Finding, Report, Thresholds, diagnose, render_text
+from sqla_jobq.doctor import Finding, Report, Thresholds, diagnose, read_only, render_text
 from sqla_jobq.schema import names_of
 from sqla_jobq.statements import NewJob
 
@@ -110,7 +111,7 @@ def doctor_json(database_url: str, table: Table) -> tuple[int, dict[str, Any]]:
     return done.returncode, json.loads(done.stdout)
 
 
-def about_pid(findings: Iterator[Finding] | tuple[Finding, ...], check: str, pid: int) -> list[Finding]:
+def about_pid(findings: Iterable[Finding], check: str, pid: int) -> list[Finding]:
     return [f for f in findings if f.check == check and f.data.get("pid") == pid]
 
 
@@ -220,6 +221,22 @@ def test_doctor_flags_a_transaction_open_past_the_long_transaction_limit(
     # holding no xid and no snapshot, 0.6 s idle is not yet an idle-in-transaction problem
     assert about_pid(report.findings, "idle_in_transaction", pid) == []
     assert len(about_pid(strict_idle.findings, "idle_in_transaction", pid)) == 1
+
+
+def test_doctor_transaction_is_read_only_takes_no_xid_and_is_bounded(
+    engine: Engine, table: Table
+) -> None:
+    with read_only(engine) as conn:
+        settings = conn.execute(
+            text(
+                "SELECT current_setting('transaction_read_only'), "
+                "current_setting('statement_timeout'), current_setting('lock_timeout'), "
+                "current_setting('application_name'), txid_current_if_assigned()"
+            )
+        ).one()
+        assert tuple(settings) == ("on", "10s", "1s", "jobq doctor", None)
+        with pytest.raises(InternalError, match="read-only transaction"):
+            conn.execute(statements.enqueue(table, "noop", {}))
 
 
 def test_doctor_never_reports_its_own_session_and_leaves_none_behind(

@@ -24,6 +24,7 @@ from sqlalchemy.pool import NullPool
 from sqla_jobq import embedded
 from sqla_jobq.cli import require_url
 from sqla_jobq.db import conninfo, sqlalchemy_url
+from sqla_jobq.demo import embedded_left_as_found
 from sqla_jobq.errors import UsageError
 from sqla_jobq.migrations import check_schema
 from sqla_jobq.schema import jobs_table
@@ -125,6 +126,19 @@ def test_stop_then_start_again_in_process(embedded_url: str) -> None:
     assert embedded.stop() is False
     assert embedded.embedded_url() == embedded_url
     assert started_at(embedded_url) != before
+
+
+@needs_pgserver
+def test_demo_leaves_the_server_as_it_found_it(embedded_url: str) -> None:
+    assert embedded.is_running()
+    with embedded_left_as_found():
+        embedded.embedded_url()
+    assert embedded.is_running(), "it was running before: keep it"
+    embedded.stop()
+    with embedded_left_as_found():
+        embedded.embedded_url()
+    assert not embedded.is_running(), "the block started it: stop it"
+    embedded.embedded_url()
 
 
 @needs_pgserver

@@ -101,27 +101,31 @@ def test_enqueue_many_of_10000_jobs_over_two_queues_notifies_once_per_queue(
     assert "REFERENCING NEW TABLE AS new_jobs" in definition
 
 
-def test_delayed_jobs_send_no_notification(engine: Engine, table: Table, database_url: str) -> None:
+def test_scheduled_jobs_notify_so_idle_workers_can_reschedule(
+    engine: Engine, table: Table, database_url: str
+) -> None:
+    """A worker sleeping until the earliest run_at it knows must hear of an earlier one."""
     later = datetime.now(UTC) + timedelta(hours=1)
     with listening(database_url, table.name) as listener:
         with engine.begin() as conn:
             client.enqueue(conn, table, "t", {}, delay=timedelta(minutes=5))
             client.enqueue(conn, table, "t", {}, queue="scheduled", run_at=later)
-        assert received(listener) == []
+        got = sorted(n.payload for n in listener.notifies(timeout=5, stop_after=2))
+        assert got == ["default", "scheduled"]
         assert count(engine, table) == 2
 
-        with engine.begin() as conn:  # a mixed batch announces only its ready queue
+        with engine.begin() as conn:  # a mixed batch: one notification per queue
             client.enqueue_many(
                 conn,
                 table,
                 [
                     NewJob("t", {}, queue="later", delay=timedelta(minutes=1)),
                     NewJob("t", {}, queue="now"),
-                    NewJob("t", {}, queue="past", run_at=datetime.now(UTC) - timedelta(1)),
+                    NewJob("t", {}, queue="now", run_at=datetime.now(UTC) - timedelta(1)),
                 ],
             )
         got = sorted(n.payload for n in listener.notifies(timeout=5, stop_after=2))
-        assert got == ["now", "past"]
+        assert got == ["later", "now"]
         assert received(listener) == []
 
 

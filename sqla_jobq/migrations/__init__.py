@@ -15,12 +15,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from alembic import op
 from sqlalchemy import Table, text
 from sqlalchemy.engine import Connection
 
-from alembic import op
-
-from ..schema import Names, parse_version_comment
+from ..schema import Names, parse_version_comment, quote_ident
 from .steps import LATEST, down_statements, up_statements
 
 __all__ = [
@@ -82,6 +81,8 @@ def upgrade(version: int = LATEST, *, name: str = "jobs", schema: str | None = N
     same thing after sqla_jobq is upgraded; a later revision raises it.
     """
     names = Names(name, schema)
+    if schema is not None:
+        op.execute(f"CREATE SCHEMA IF NOT EXISTS {quote_ident(schema)}")
     for sql in up_statements(names, _current(names), version):
         op.execute(sql)
 

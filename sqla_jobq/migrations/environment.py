@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import os
 
-from sqlalchemy import create_engine, pool
-
 from alembic import context
+from sqlalchemy import create_engine, pool
 
 from ..db import sqlalchemy_url
 

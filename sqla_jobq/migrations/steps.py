@@ -25,12 +25,14 @@ class Step:
 
 
 def _v1_up(n: Names) -> list[str]:
+    # The trigger announces scheduled jobs too: an idle worker sleeps until the
+    # earliest run_at it knows of, and a new, earlier one must shorten that.
     table = n.qualified
     function = qualify(n.schema, n.notify_function)
     body = f"""
 BEGIN
-  PERFORM pg_notify({quote_literal(n.channel)}, ready.queue)
-  FROM (SELECT DISTINCT queue FROM new_jobs WHERE run_at <= now()) AS ready;
+  PERFORM pg_notify({quote_literal(n.channel)}, inserted.queue)
+  FROM (SELECT DISTINCT queue FROM new_jobs) AS inserted;
   RETURN NULL;
 END;
 """

@@ -7,6 +7,7 @@ a statement-level NOTIFY trigger, one notification per queue per INSERT.
 """
 
 from alembic import op
+
 from sqla_jobq.migrations.steps import down_statements, up_statements
 from sqla_jobq.schema import Names
 

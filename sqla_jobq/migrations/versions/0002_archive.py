@@ -9,6 +9,7 @@ the archive needs to be pruned in turn.
 """
 
 from alembic import op
+
 from sqla_jobq.migrations.steps import down_statements, up_statements
 from sqla_jobq.schema import Names
 
