@@ -8,7 +8,11 @@ returns. In the same round, the baseline: two psycopg connections, one
 LISTENing in a thread, the other running BEGIN; INSERT a row; NOTIFY; COMMIT
 (the same kind of transaction as an enqueue, whose COMMIT waits for the WAL
 flush) with the same two timestamps around the COMMIT, the listener recording
-when the notification arrives.
+when the notification arrives. A second baseline, the floor for any worker
+that must claim a job before running it: the same listener then runs the
+worker's claim statement and records when it returns. The raw side commits
+into its own queue table (`jobs_floor`, same schema and trigger), so its
+transactions are exactly an enqueue's.
 
 Two figures per side:
 
@@ -22,6 +26,7 @@ Two figures per side:
 
 from __future__ import annotations
 
+import json
 import subprocess
 import tempfile
 import threading
@@ -37,7 +42,7 @@ from sqlalchemy.pool import NullPool
 from . import common
 from .common import Bench
 
-CHANNEL = "bench_raw"
+FLOOR_TABLE = "jobs_floor"
 
 
 def _wait_for_listener(bench: Bench, timeout: float = 30.0) -> None:
@@ -54,41 +59,69 @@ def _wait_for_listener(bench: Bench, timeout: float = 30.0) -> None:
     raise RuntimeError("the worker did not start LISTENing")
 
 
-def _raw_round(bench: Bench, count: int, gap: float) -> tuple[list[float], list[float]]:
-    received: dict[int, float] = {}
+def _raw_round(
+    bench: Bench, count: int, gap: float
+) -> tuple[list[float], list[float], list[float]]:
+    """Raw LISTEN/NOTIFY, and the floor: the same plus one claim round trip.
+
+    The producer commits the same INSERT as an enqueue into `jobs_floor` (a
+    queue table of the same schema, whose trigger sends the NOTIFY). The
+    listener records when each notification arrives, then claims with the
+    worker's own compiled claim statement (prepared, autocommit) on a second
+    connection and records when the claim returns: the least any worker that
+    must claim before it runs a job can do.
+    """
+    from datetime import timedelta
+
+    from sqlalchemy import MetaData
+
+    from sqla_jobq.driver import Compiled
+    from sqla_jobq.schema import jobs_table
+    from sqla_jobq.statements import claim
+
+    table = jobs_table(MetaData(), FLOOR_TABLE)
+    claim_sql = Compiled.of(claim(table, queue="default", lease=timedelta(minutes=5)))
+    received: list[float] = []
+    claimed: dict[int, float] = {}
     ready = threading.Event()
     listener = bench.connect()
+    claimer = psycopg.connect(bench.dsn, autocommit=True, prepare_threshold=0)
+    params = claim_sql.params(limit=8)
+    for _ in range(3):  # prepare it
+        claimer.execute(claim_sql.sql, params).fetchall()
 
     def listen() -> None:
-        listener.execute(f"LISTEN {CHANNEL}")
+        listener.execute(f"LISTEN {FLOOR_TABLE}")
         ready.set()
-        for note in listener.notifies():
+        for _ in listener.notifies():
+            received.append(time.time())
+            rows = claimer.execute(claim_sql.sql, params).fetchall()
             now = time.time()
-            if note.payload == "stop":
-                return
-            received[int(note.payload)] = now
+            for row in rows:
+                if row[3].get("seq") == -1:
+                    return
+                claimed[row[3]["seq"]] = now
 
     thread = threading.Thread(target=listen, daemon=True)
     thread.start()
     ready.wait(10)
     sent: dict[int, tuple[float, float]] = {}
+    insert = f"INSERT INTO {FLOOR_TABLE} (task, payload) VALUES ('stamp', %s::jsonb)"
     with psycopg.connect(bench.dsn) as sender:
-        sender.execute("CREATE TABLE IF NOT EXISTS bench_raw (i int, payload jsonb)")
-        sender.commit()
         for i in range(count):
-            # The same kind of transaction as an enqueue: a row written (so the
-            # COMMIT waits for its WAL flush) and a notification.
-            sender.execute("INSERT INTO bench_raw VALUES (%s, '{}')", (i,))
-            sender.execute("SELECT pg_notify(%s, %s)", (CHANNEL, str(i)))
+            sender.execute(insert, (json.dumps({"seq": i}),))
             before = time.time()
             sender.commit()
             sent[i] = (before, time.time())
             time.sleep(gap)
-        sender.execute("SELECT pg_notify(%s, 'stop')", (CHANNEL,))
+        sender.execute(insert, (json.dumps({"seq": -1}),))
         sender.commit()
     thread.join(10)
     listener.close()
-    return _deltas(sent, received)
+    claimer.close()
+    raw_sent, raw_ret = _deltas(sent, dict(enumerate(received)))
+    floor_sent, _ = _deltas(sent, claimed)
+    return raw_sent, raw_ret, floor_sent
 
 
 def _deltas(
@@ -142,6 +175,7 @@ def _read_stamps(path: Path) -> dict[int, float]:
 def run(bench: Bench, log: Callable[[str], None]) -> dict[str, Any]:
     n, gap = bench.sizes.latency_jobs, bench.sizes.latency_gap
     common.create_table(bench)
+    common.create_table(bench, FLOOR_TABLE)
     with tempfile.TemporaryDirectory(prefix="jobq-bench-") as tmpdir:
         stamps = Path(tmpdir) / "stamps"
         cmd = common.worker_command(
@@ -162,19 +196,21 @@ def run(bench: Bench, log: Callable[[str], None]) -> dict[str, Any]:
             _worker_round(bench, stamps, -20, 20, gap)
             _raw_round(bench, 20, gap)
             for r in range(bench.rounds):
-                raw_sent, raw_ret = _raw_round(bench, n, gap)
+                raw_sent, raw_ret, floor_sent = _raw_round(bench, n, gap)
                 ours_sent, ours_ret = _worker_round(bench, stamps, r * n, n, gap)
                 rounds.append(
                     {
                         "raw_sent": raw_sent,
                         "raw_ret": raw_ret,
+                        "floor_sent": floor_sent,
                         "ours_sent": ours_sent,
                         "ours_ret": ours_ret,
                     }
                 )
                 log(
                     f"  round {r + 1} pickup p50 {common.median(ours_sent):.2f} ms "
-                    f"(raw {common.median(raw_sent):.2f} ms), p99 "
+                    f"(raw {common.median(raw_sent):.2f} ms, raw + claim "
+                    f"{common.median(floor_sent):.2f} ms), p99 "
                     f"{common.percentile(ours_sent, 99):.2f} ms "
                     f"(raw {common.percentile(raw_sent, 99):.2f} ms)"
                 )
@@ -202,13 +238,16 @@ def summarize(rounds: list[dict[str, list[float]]]) -> dict[str, Any]:
 
     out: dict[str, Any] = {
         key: {"p50_ms": stat(key, p50), "p99_ms": stat(key, p99)}
-        for key in ("raw_sent", "raw_ret", "ours_sent", "ours_ret")
+        for key in ("raw_sent", "raw_ret", "floor_sent", "ours_sent", "ours_ret")
     }
     out["ratio_p50_from_commit_sent"] = common.median(
         [common.ratio(p50(r["ours_sent"]), p50(r["raw_sent"])) for r in rounds]
     )
     out["ratio_p99_from_commit_sent"] = common.median(
         [common.ratio(p99(r["ours_sent"]), p99(r["raw_sent"])) for r in rounds]
+    )
+    out["ratio_p50_vs_floor"] = common.median(
+        [common.ratio(p50(r["ours_sent"]), p50(r["floor_sent"])) for r in rounds]
     )
     out["added_p50_ms"] = common.median([p50(r["ours_sent"]) - p50(r["raw_sent"]) for r in rounds])
     out["samples_per_round"] = len(rounds[0]["ours_sent"]) if rounds else 0

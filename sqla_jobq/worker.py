@@ -173,13 +173,18 @@ class HandlerThreads:
         future = self.loop.create_future()
         self.pending.append((future, call))
         if not self.kicked:
+            # The first job of this turn of the loop wakes a thread at once
+            # (it gets the GIL when the loop next waits, by which time the
+            # rest of the turn's jobs are queued behind it).
             self.kicked = True
-            self.loop.call_soon(self._kick)
+            self._wake(1)
+            self.loop.call_soon(self._kicked)
         return future
 
-    def _kick(self) -> None:
+    def _kicked(self) -> None:
         self.kicked = False
-        self._wake(1)
+        if self.pending:  # in case that thread had already gone back to sleep
+            self._wake(1)
         assert self.loop is not None
         self.loop.call_later(self.spread_after, self._spread)
 
@@ -414,6 +419,8 @@ class Worker:
                     return
                 await self._wait(None)
                 continue
+            if rows:
+                await asyncio.sleep(0)  # let the jobs start before the lookup below
             await self._wait(await self._idle_timeout())
 
     async def _idle_timeout(self) -> float:
@@ -611,7 +618,8 @@ class Worker:
                 await self._release(entry, "not started")
             self.active.pop(entry.row.id, None)
         if self.job_tasks:
-            log.info("waiting for %d running jobs", len(self.job_tasks))
+            if self.executing:
+                log.info("waiting for %d running jobs", self.executing)
             await asyncio.wait(set(self.job_tasks), timeout=self.options.shutdown_timeout)
         for entry in list(self.active.values()):
             if entry.lost or entry.handler_done:

@@ -1,0 +1,156 @@
+"""Judge the queue table itself: dead tuples against the vacuum history, its
+sizes (and its archive's), and whether every index the schema declares exists
+and is valid, with the exact DDL to fix one that is not."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy import MetaData
+from sqlalchemy.dialects.postgresql.base import PGDialect
+from sqlalchemy.schema import CreateIndex, Index
+
+from ..schema import Names, jobs_table
+from .model import Facts, Finding, Row, Thresholds, ok, warn
+from .units import ago, byte_size, iso
+
+_PG = PGDialect()  # type: ignore[no-untyped-call]
+_VACUUM_TIMES = ("last_vacuum", "last_autovacuum", "last_analyze", "last_autoanalyze")
+
+
+def _autovacuum_on(row: Row) -> bool:
+    table_option = row["autovacuum_table"]
+    table_on = table_option is None or str(table_option).lower() in {"on", "true", "yes", "1"}
+    return bool(row["autovacuum_server"]) and table_on
+
+
+def _autovacuum_off_where(row: Row) -> str:
+    return "server setting" if not row["autovacuum_server"] else "table option"
+
+
+def dead_tuple_finding(facts: Facts, names: Names, t: Thresholds, held_back: bool) -> Finding:
+    row = facts.table
+    live, dead = int(row["n_live_tup"]), int(row["n_dead_tup"])
+    ratio = dead / (live + dead) if live + dead else 0.0
+    autovacuum = _autovacuum_on(row)
+    now = facts.checked_at
+    summary = (
+        f"live {live:,}, dead {dead:,} ({ratio:.1%}); "
+        f"last autovacuum {ago(row['last_autovacuum'], now)}, "
+        f"last vacuum {ago(row['last_vacuum'], now)}, "
+        f"last autoanalyze {ago(row['last_autoanalyze'], now)}"
+        + ("" if autovacuum else f"; autovacuum is OFF ({_autovacuum_off_where(row)})")
+    )
+    data = {
+        "n_live_tup": live,
+        "n_dead_tup": dead,
+        "dead_ratio": round(ratio, 4),
+        "autovacuum_enabled": autovacuum,
+        **{k: iso(row[k]) for k in _VACUUM_TIMES},
+    }
+    if ratio > t.dead_ratio and dead > t.dead_tuples:
+        advice = _vacuum_advice(names, held_back, autovacuum)
+        return warn("dead_tuples", "table", summary, advice, data)
+    return ok("dead_tuples", "table", summary, data)
+
+
+def _vacuum_advice(names: Names, held_back: bool, autovacuum: bool) -> str:
+    table = names.qualified
+    if held_back:
+        return (
+            "VACUUM cannot remove them while what is flagged above holds the horizon: "
+            f"end those, then VACUUM (VERBOSE) {table}"
+        )
+    if not autovacuum:
+        return f"autovacuum is off: turn it on, or run VACUUM (VERBOSE) {table} on a schedule"
+    return (
+        f"run VACUUM (VERBOSE) {table}; if it recurs, vacuum it sooner: "
+        f"ALTER TABLE {table} SET (autovacuum_vacuum_scale_factor = 0.01)"
+    )
+
+
+def size_finding(facts: Facts) -> Finding:
+    row = facts.table
+    summary = (
+        f"table {byte_size(row['table_bytes'])}, indexes {byte_size(row['index_bytes'])}, "
+        f"total with TOAST {byte_size(row['total_bytes'])}"
+    )
+    data: dict[str, Any] = {
+        "table_bytes": row["table_bytes"],
+        "index_bytes": row["index_bytes"],
+        "total_bytes": row["total_bytes"],
+        "archive_bytes": None,
+        "archive_rows_estimate": None,
+    }
+    archive = facts.archive
+    if archive is not None:
+        rows = int(archive["rows_estimate"])
+        counted = f"about {rows:,} rows" if rows >= 0 else "not analyzed yet"
+        summary += f"; archive {byte_size(archive['total_bytes'])}, {counted}"
+        data["archive_bytes"] = archive["total_bytes"]
+        data["archive_rows_estimate"] = rows if rows >= 0 else None
+    return ok("table_size", "table", summary, data)
+
+
+# What goes wrong without each index, by the name `Names` gives it.
+def _index_roles(names: Names) -> dict[str, str]:
+    return {
+        names.ready_index: "hand-written claims on (queue, run_at) scan the whole table",
+        names.claim_index: "every `claim` scans the whole table instead of the ready rows",
+        names.running_index: "the reaper scans the whole table",
+        names.unique_index: "enqueue with a unique_key fails (ON CONFLICT finds no index)",
+    }
+
+
+def index_findings(rows: Sequence[Row], names: Names) -> list[Finding]:
+    """Each index the schema declares must exist and be valid (indisvalid)."""
+    present = {r["name"]: r for r in rows}
+    roles = _index_roles(names)
+    expected = sorted(jobs_table(MetaData(), names.table, names.schema).indexes, key=_name)
+    warnings: list[Finding] = []
+    fine: list[str] = []
+    for index in expected:
+        name = _name(index)
+        row = present.get(name)
+        role = roles.get(name, "queries that need it scan the whole table")
+        if row is None:
+            warnings.append(
+                warn(
+                    "index",
+                    f"index {name}",
+                    f"missing: {role}",
+                    f"recreate it: {_create_index_sql(index)}",
+                    {"name": name, "exists": False, "valid": False},
+                )
+            )
+        elif not row["valid"] and not row["building"]:
+            warnings.append(
+                warn(
+                    "index",
+                    f"index {name}",
+                    f"INVALID (a failed CREATE INDEX CONCURRENTLY?), so ignored: {role}",
+                    f"rebuild it: REINDEX INDEX CONCURRENTLY {_qualified_index(names, name)}",
+                    {"name": name, "exists": True, "valid": False},
+                )
+            )
+        else:
+            fine.append(name if row["valid"] else f"{name} (being built)")
+    if fine:
+        warnings.append(ok("index", "indexes", "valid: " + ", ".join(fine), {"valid": fine}))
+    return warnings
+
+
+def _name(index: Index) -> str:
+    return str(index.name)
+
+
+def _qualified_index(names: Names, name: str) -> str:
+    return Names(name, names.schema).qualified
+
+
+def _create_index_sql(index: Index) -> str:
+    """The index's own DDL from the schema, built CONCURRENTLY so writes go on."""
+    index.dialect_options["postgresql"]["concurrently"] = True
+    sql = str(CreateIndex(index).compile(dialect=_PG))
+    return " ".join(sql.split())
