@@ -100,15 +100,22 @@ def make_engine(url: str | None) -> Engine:
 
 
 @contextmanager
-def checked(url: str | None, table: Table) -> Iterator[Connection]:
-    """A transaction on a database whose queue schema is present and current."""
+def checked_engine(url: str | None, table: Table) -> Iterator[Engine]:
+    """An engine on a database whose queue schema is present and current."""
     engine = make_engine(url)
     try:
-        with engine.begin() as conn:
+        with engine.connect() as conn:
             check_schema(conn, table)
-            yield conn
+        yield engine
     finally:
         engine.dispose()
+
+
+@contextmanager
+def checked(url: str | None, table: Table) -> Iterator[Connection]:
+    """One transaction on a database whose queue schema is present and current."""
+    with checked_engine(url, table) as engine, engine.begin() as conn:
+        yield conn
 
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
@@ -163,26 +170,33 @@ def enqueue(
     if delay < 0:
         raise UsageError(f"--delay must not be negative, got {delay}")
     kwargs = parse_payload(payload)
-    options: dict[str, Any] = {"queue": queue or "default", "priority": priority or 0}
     target = parse_table(table)
+    options: dict[str, Any] = {"queue": queue or "default", "priority": priority or 0}
     if app_spec is not None:
-        from .registry import load_registry
-
-        registry = load_registry(app_spec)
-        known = registry.require(task)
-        kwargs = known.check_payload(kwargs)
-        target = registry.table
-        options = {
-            "queue": queue or known.queue,
-            "priority": known.priority if priority is None else priority,
-            "max_attempts": known.max_attempts,
-        }
+        target, kwargs, options = _registered(app_spec, task, kwargs, queue, priority)
     elif not isinstance(kwargs, dict):
         raise UsageError("--payload must be a JSON object of keyword arguments")
-    stmt_options = dict(options, unique_key=unique_key, delay=timedelta(seconds=delay) or None)
-    statements.enqueue(target, task, kwargs, **stmt_options)
+    options.update(unique_key=unique_key, delay=timedelta(seconds=delay) if delay else None)
+    # Build once before connecting: bad input is refused with nothing written.
+    statements.enqueue(target, task, kwargs, **options)
     with checked(database_url, target) as conn:
-        typer.echo(client.enqueue(conn, target, task, kwargs, **stmt_options))
+        typer.echo(client.enqueue(conn, target, task, kwargs, **options))
+
+
+def _registered(
+    app_spec: str, task: str, kwargs: Any, queue: str | None, priority: int | None
+) -> tuple[Table, dict[str, Any], dict[str, Any]]:
+    """Table, checked payload and defaults of a task known to the app's Registry."""
+    from .registry import load_registry
+
+    registry = load_registry(app_spec)
+    known = registry.require(task)
+    options = {
+        "queue": queue or known.queue,
+        "priority": known.priority if priority is None else priority,
+        "max_attempts": known.max_attempts,
+    }
+    return registry.table, known.check_payload(kwargs), options
 
 
 @app.command()
@@ -239,19 +253,14 @@ def prune(
     stmt = build(
         target, older_than=age, limit=batch_size, statuses=[s.strip() for s in status.split(",")]
     )
-    with checked(database_url, target):
-        pass
-    engine = make_engine(database_url)
     total = 0
-    try:
+    with checked_engine(database_url, target) as engine:
         while True:
             with engine.begin() as conn:
                 count = conn.execute(stmt).rowcount
             total += count
             if count < batch_size:
                 break
-    finally:
-        engine.dispose()
     typer.echo(f"archived {total} jobs" if to_archive else f"pruned {total} jobs")
 
 
