@@ -1,6 +1,12 @@
 """The thin layer that executes the statements on a SQLAlchemy connection.
 
 Everything here runs inside the caller's transaction and never commits.
+
+`enqueue_many` of many plain jobs (no unique key, due now) on a psycopg
+connection takes the COPY path: ids drawn from the identity sequence in one
+statement, then the rows streamed with COPY on the same connection, in the
+same transaction. On this machine that is several times faster than the
+array INSERT of `statements.enqueue_many`, which serves every other case.
 """
 
 from __future__ import annotations
@@ -8,8 +14,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import psycopg
 from sqlalchemy import Table
 from sqlalchemy.engine import Connection
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session
 
@@ -19,6 +27,9 @@ from .statements import NewJob
 Executor = Connection | Session
 AsyncExecutor = AsyncConnection | AsyncSession
 ENQUEUE_PAGE = 5000
+# Below this many rows the one-statement INSERT (one round trip) wins over
+# COPY (three: draw the ids, start the COPY, end it).
+COPY_MIN_ROWS = 1000
 
 
 def enqueue(conn: Executor, table: Table, task: str | None, payload: Any, **options: Any) -> int:
@@ -36,8 +47,12 @@ def enqueue(conn: Executor, table: Table, task: str | None, payload: Any, **opti
 
 
 def enqueue_many(conn: Executor, table: Table, rows: Iterable[NewJob]) -> list[int]:
-    """Insert many jobs, one round trip per page, returning ids in input order."""
+    """Insert many jobs, returning ids in input order: with COPY when they are
+    many plain jobs on a psycopg connection, else one round trip per page."""
     rows = list(rows)
+    copied = _copy_many(conn, table, rows)
+    if copied is not None:
+        return copied
     ids: list[int] = []
     for start in range(0, len(rows), ENQUEUE_PAGE):
         page = rows[start : start + ENQUEUE_PAGE]
@@ -49,6 +64,54 @@ def enqueue_many(conn: Executor, table: Table, rows: Iterable[NewJob]) -> list[i
                 found[i] = job_id
         ids += _ids(found)
     return ids
+
+
+def _copy_many(conn: Executor, table: Table, rows: list[NewJob]) -> list[int] | None:
+    """The COPY path of `enqueue_many`, or None when it does not apply."""
+    if len(rows) < COPY_MIN_ROWS:
+        return None
+    values = statements.copy_rows(rows)
+    connection = conn.connection() if isinstance(conn, Session) else conn
+    driver = connection.connection.driver_connection
+    if values is None or not isinstance(driver, psycopg.Connection):
+        return None
+    # Through SQLAlchemy, so its transaction begins here if it had not yet.
+    ids = _expand(conn.execute(statements.reserve_ids(table, len(rows))).all())
+    command = statements.copy_command(table)
+    try:
+        with driver.cursor() as cur, cur.copy(command) as copy:
+            for job_id, row in zip(ids, values, strict=True):
+                copy.write_row((job_id, *row))
+    except psycopg.Error as exc:
+        raise DBAPIError.instance(command, None, exc, psycopg.Error) from exc
+    return ids
+
+
+async def _copy_many_async(
+    conn: AsyncExecutor, table: Table, rows: list[NewJob]
+) -> list[int] | None:
+    """`_copy_many` on an `AsyncConnection` or `AsyncSession`."""
+    if len(rows) < COPY_MIN_ROWS:
+        return None
+    values = statements.copy_rows(rows)
+    connection = await conn.connection() if isinstance(conn, AsyncSession) else conn
+    driver = (await connection.get_raw_connection()).driver_connection
+    if values is None or not isinstance(driver, psycopg.AsyncConnection):
+        return None
+    ids = _expand((await conn.execute(statements.reserve_ids(table, len(rows)))).all())
+    command = statements.copy_command(table)
+    try:
+        async with driver.cursor() as cur, cur.copy(command) as copy:
+            for job_id, row in zip(ids, values, strict=True):
+                await copy.write_row((job_id, *row))
+    except psycopg.Error as exc:
+        raise DBAPIError.instance(command, None, exc, psycopg.Error) from exc
+    return ids
+
+
+def _expand(runs: Iterable[Any]) -> list[int]:
+    """The ids of `reserve_ids`' runs of consecutive ids."""
+    return [job_id for first, count in runs for job_id in range(first, first + count)]
 
 
 def _ids(found: list[Any]) -> list[int]:
@@ -74,6 +137,9 @@ async def enqueue_many_async(
 ) -> list[int]:
     """`enqueue_many` on an `AsyncConnection` or `AsyncSession`."""
     rows = list(rows)
+    copied = await _copy_many_async(conn, table, rows)
+    if copied is not None:
+        return copied
     ids: list[int] = []
     for start in range(0, len(rows), ENQUEUE_PAGE):
         page = rows[start : start + ENQUEUE_PAGE]

@@ -116,6 +116,14 @@ def test_hostile_strings_are_stored_and_run_verbatim(
         assert run.code == 0, run.stderr
         expected[int(run.stdout.strip())] = (s, s, payload)
 
+    big_cli = {"s": BIG}
+    run = jobq(
+        "enqueue", BIG, "--payload", json.dumps(big_cli), "--database-url", fq.url,
+        "--table", fq.names.table, env=env,
+    )  # fmt: skip
+    assert run.code == 0, run.stderr
+    expected[int(run.stdout.strip())] = (BIG, "default", big_cli)
+
     queues = [arg for s in HOSTILE for arg in ("-q", s)]
     tasks = json.dumps([*HOSTILE, BIG])
     worker = workers.start(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import signal
+from typing import Any
 
 import pytest
 
@@ -20,7 +21,7 @@ def test_sigkill_mid_job_loses_nothing(fq: FaultQueue, workers: Workers) -> None
     and every transition is legal and fenced: the killed workers' jobs come back
     only through the reaper, on expired leases."""
     rng = random.Random(5)
-    ids = fq.enqueue_work(5000, sleep=0.002)
+    ids = fq.enqueue_work(5000, sleep=0.002, max_attempts=25)
     fleet = Fleet(workers, fq, 3, *FAST, lease=2.0)
     kills = 0
     for _ in range(6):
@@ -53,6 +54,13 @@ def test_sigkill_mid_job_loses_nothing(fq: FaultQueue, workers: Workers) -> None
     assert summary.count[("running", "done")] == len(ids)
     executions = fq.executions()
     assert sum(executions.values()) >= len(ids)
+    never_started = fq.sql(
+        f"""SELECT count(*) FROM {fq.audit} a WHERE a.old_status = 'running'
+            AND a.new_status = 'queued' AND a.lease_expired AND NOT EXISTS (
+              SELECT 1 FROM {fq.side} s WHERE s.job_id = a.id AND s.attempt = a.old_attempts)"""
+    )[0][0]
+    # Claimed ahead (prefetch) but never started: charged an attempt all the same.
+    print(f"reaped {summary.reaped} attempts, {never_started} of them never started")
 
 
 def test_poison_job_fails_at_max_attempts_others_unaffected(
@@ -107,3 +115,39 @@ def test_sigterm_mid_run_hands_jobs_back(fq: FaultQueue, workers: Workers) -> No
     assert summary.reaped == 0, "a gracefully stopped worker abandoned a job"
     print("released by their owners at shutdown:", summary.by_owner["queued"])
     assert fleet.deaths == 3
+
+
+def test_a_worker_death_costs_unstarted_jobs_one_attempt(fq: FaultQueue, workers: Workers) -> None:
+    """Attempts are charged at claim time. A worker SIGKILLed while it holds jobs it
+    claimed but had not started (claimed ahead of its free slots by `--prefetch`,
+    or between claim and handler) costs those jobs one attempt they never ran: the
+    reaper puts them back with attempts = 1. So with max_attempts=2, one death
+    fails nothing: every job is done, each having run at least once."""
+    ids = fq.enqueue_work(3000, sleep=0.001, max_attempts=2)
+    args = ("--concurrency", "4", "--reap-interval", "0.5")
+
+    def unstarted() -> list[Any]:
+        return fq.sql(
+            f"""SELECT j.id FROM {fq.qualified} j WHERE j.status = 'running' AND NOT EXISTS (
+                  SELECT 1 FROM {fq.side} s WHERE s.job_id = j.id AND s.attempt = j.attempts)"""
+        )
+
+    victims: list[Any] = []
+    for _ in range(5):
+        worker = workers.start(fq, *args, lease=1.0)
+        wait_until(unstarted, 30, "claimed jobs not started yet")
+        worker.kill(signal.SIGKILL)
+        worker.proc.wait(10)
+        victims = unstarted()  # the process is gone: these never started
+        if victims:
+            break
+    assert victims, "never caught the worker holding jobs it had not started"
+    workers.start(fq, *args, lease=1.0)
+    wait_until(lambda: fq.done_count() >= len(ids), 120, "all jobs done")
+    fq.check_all_done(ids)
+    fq.check_audit()
+    charged = fq.sql(
+        f"SELECT attempts FROM {fq.qualified} WHERE id = ANY(%s)", ([v[0] for v in victims],)
+    )
+    assert {a for (a,) in charged} == {2}, "each unstarted job was charged exactly one attempt"
+    print(f"{len(victims)} jobs claimed but not started when their worker died")
