@@ -114,9 +114,11 @@ def drop_table(bench: Bench, name: str) -> None:
 
 
 def fill(bench: Bench, count: int, *, task: str = "noop", table: str = "jobs") -> None:
-    """A fresh queue: TRUNCATE, `count` ready no-op jobs, VACUUM ANALYZE.
+    """A fresh queue: TRUNCATE, `count` ready no-op jobs, VACUUM ANALYZE, CHECKPOINT.
 
-    Every contender starts from exactly this state.
+    Every contender starts from exactly this state (the CHECKPOINT too: after
+    one, the first change to each page writes the whole page to the WAL, and a
+    checkpoint falling inside one contender's run would cost it alone).
     """
     with bench.connect() as conn:
         conn.execute(f"TRUNCATE {table}")
@@ -126,6 +128,7 @@ def fill(bench: Bench, count: int, *, task: str = "noop", table: str = "jobs") -
             (task, count),
         )
         conn.execute(f"VACUUM ANALYZE {table}")
+        conn.execute("CHECKPOINT")
 
 
 @dataclass(frozen=True)

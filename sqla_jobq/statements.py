@@ -158,7 +158,7 @@ def encode_payload(payload: Any) -> str:
         raise InvalidJob(f"payload is not JSON-serialisable: {exc}") from None
     # A real NUL is a `\u0000` escape whose backslash is not itself escaped;
     # the text "\\u0000" (a backslash, then "u0000") encodes as `\\u0000` and is fine.
-    if _JSON_NUL.search(encoded):
+    if "\\u0000" in encoded and _JSON_NUL.search(encoded):
         raise InvalidJob("payload contains a NUL character (\\u0000), which jsonb cannot store")
     return encoded
 
@@ -328,10 +328,13 @@ def reserve_ids(table: Table, count: int) -> TextualSelect:
     """
     return (
         text(
+            # MATERIALIZED: looked up once, not once per id (a catalog lookup each).
+            "WITH q AS MATERIALIZED ("
+            "  SELECT CAST(pg_get_serial_sequence(:table, 'id') AS regclass) AS seq"
+            ") "
             "SELECT min(v) AS first, count(*) AS count FROM ("
             "  SELECT v, v - row_number() OVER (ORDER BY v) AS run FROM ("
-            "    SELECT nextval(q.seq) AS v FROM generate_series(1, :count),"
-            "    (SELECT CAST(pg_get_serial_sequence(:table, 'id') AS regclass) AS seq) q"
+            "    SELECT nextval(q.seq) AS v FROM q, generate_series(1, :count)"
             "  ) drawn"
             ") numbered GROUP BY run ORDER BY first"
         )

@@ -22,6 +22,7 @@ import contextvars
 import functools
 import logging
 import os
+import queue
 import signal
 import threading
 import time
@@ -53,6 +54,8 @@ PRUNE_BATCH = 10_000
 # noise next to them).
 PREFETCH_SECONDS = 0.01
 DEFAULT_PREFETCH = 64
+HANDOFF_SECONDS = 0.0005
+PAYLOAD_KEY_SETS = 64  # sets of argument names remembered as valid, per task
 
 
 @dataclass(frozen=True)
@@ -144,23 +147,26 @@ class HandlerThreads:
     twin, a thread woken to take it and the loop woken to hear back) is paid
     here per batch. Jobs handed over in one turn of the loop wake one thread,
     which runs them one after another: cheap handlers never pay a thread
-    switch each. If jobs are still waiting `spread_after` seconds later, a
+    switch each. If jobs are waiting while a handler has been running for
+    `spread_after` seconds with no other handler starting or finishing, that
     handler is slow: every waiting job gets a thread of its own (at most
     `size`, and the worker never has more than `size` jobs out), so a slow job
     delays the others of its batch by about a millisecond, not by itself.
-    Finished jobs are collected in a list, and only the first of a batch wakes
-    the loop.
+    (Jobs merely waiting for a woken thread to get the GIL wake no more
+    threads: that would only add contention.) Finished jobs are collected in
+    a list, and only the first of a batch wakes the loop.
     """
 
     def __init__(self, size: int, spread_after: float = 0.001) -> None:
         self.size = size
         self.spread_after = spread_after
         self.pending: deque[tuple[asyncio.Future[None], Callable[[], object]]] = deque()
-        self.permits = threading.Semaphore(0)
+        self.permits: queue.SimpleQueue[None] = queue.SimpleQueue()  # C, unlike Semaphore
         self.threads: list[threading.Thread] = []
         self.lock = threading.Lock()
         self.busy = 0  # threads inside a handler (under lock)
         self.unclaimed = 0  # permits released and not yet taken (under lock)
+        self.progress = time.monotonic()  # when a handler last started or finished
         self.done: list[tuple[asyncio.Future[None], BaseException | None]] = []
         self.closing = False
         self.kicked = False
@@ -190,10 +196,12 @@ class HandlerThreads:
 
     def _spread(self) -> None:
         waiting = len(self.pending)
-        if waiting:
-            self._wake(waiting)
-            assert self.loop is not None
-            self.loop.call_later(self.spread_after, self._spread)
+        if not waiting:
+            return
+        stalled = time.monotonic() - self.progress >= self.spread_after
+        self._wake(waiting if stalled and self.busy else 1)
+        assert self.loop is not None
+        self.loop.call_later(self.spread_after, self._spread)
 
     def _wake(self, count: int) -> None:
         """Make sure `count` threads are awake or about to be, starting new ones if needed."""
@@ -208,12 +216,12 @@ class HandlerThreads:
             self.threads.append(thread)
             thread.start()
         for _ in range(release):
-            self.permits.release()
+            self.permits.put(None)
 
     def _work(self) -> None:
         assert self.loop is not None
         while True:
-            self.permits.acquire()
+            self.permits.get()
             if self.closing:
                 return
             with self.lock:
@@ -223,13 +231,17 @@ class HandlerThreads:
                     future, call = self.pending.popleft()
                 except IndexError:
                     break
+                if future.cancelled():  # its job was given up before a thread took it
+                    continue
                 with self.lock:
                     self.busy += 1
+                self.progress = time.monotonic()
                 error: BaseException | None = None
                 try:
                     call()
                 except BaseException as exc:
                     error = exc
+                self.progress = time.monotonic()
                 with self.lock:
                     self.busy -= 1
                     self.done.append((future, error))
@@ -252,10 +264,12 @@ class HandlerThreads:
                 future.set_exception(error)
 
     def shutdown(self, timeout: float = 1.0) -> None:
-        """Let idle threads exit; a handler still running keeps its thread."""
+        """Drop calls no thread has taken yet, and let idle threads exit; a
+        handler still running keeps its thread."""
         self.closing = True
+        self.pending.clear()
         for _ in self.threads:
-            self.permits.release()
+            self.permits.put(None)
         deadline = time.monotonic() + timeout
         for thread in self.threads:
             thread.join(max(0.0, deadline - time.monotonic()))
@@ -420,7 +434,9 @@ class Worker:
                 await self._wait(None)
                 continue
             if rows:
-                await asyncio.sleep(0)  # let the jobs start before the lookup below
+                # Block briefly first: the jobs just started get their handler
+                # threads going while this thread waits, not after the lookup.
+                await asyncio.sleep(HANDOFF_SECONDS)
             await self._wait(await self._idle_timeout())
 
     async def _idle_timeout(self) -> float:
@@ -534,12 +550,14 @@ class Worker:
         # Whether keyword arguments bind depends only on their names: check
         # each set of names once per task.
         keys = frozenset(row.payload)
-        if keys not in self.payload_keys[task.name]:
+        known = self.payload_keys[task.name]
+        if keys not in known:
             try:
                 task.signature.bind(**row.payload)
             except TypeError as exc:
                 return f"InvalidPayload: payload does not match {task.name}{task.signature}: {exc}"
-            self.payload_keys[task.name].add(keys)
+            if len(known) < PAYLOAD_KEY_SETS:  # a **kwargs handler takes any names
+                known.add(keys)
         context = contextvars.copy_context()
         job = Job(row.id, row.task, row.queue, row.payload, row.attempts, row.max_attempts)
         context.run(set_current_job, job)
