@@ -17,6 +17,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.config import Config
 from alembic.migration import MigrationContext
@@ -25,7 +26,6 @@ from psycopg import sql
 from sqlalchemy import Connection, MetaData, create_engine, text
 from sqlalchemy.pool import NullPool
 
-from alembic import command
 from sqla_jobq import client, statements
 from sqla_jobq.db import conninfo, parse_url, sqlalchemy_url
 from sqla_jobq.migrations import SchemaError, check_schema
