@@ -3,7 +3,7 @@
 Not part of the suite (it needs py-spy: `pip install py-spy`). Fills a scratch
 database with JOBS ready jobs, runs `jobq worker --burst` under `py-spy
 record --gil` (only the thread holding the GIL is sampled: Python's CPU, not
-its waiting), and sums the samples by where the innermost frame is.
+its waiting), and charges each sample to the part of the worker it was in.
 """
 
 from __future__ import annotations
@@ -18,51 +18,64 @@ from pathlib import Path
 
 from . import common
 
-CATEGORIES = [
-    ("start-up (imports)", re.compile(r"importlib|<frozen|_bootstrap|typer|click")),
-    ("psycopg: send, wait, results", re.compile(r"psycopg/(?!types)")),
-    ("psycopg: adapting values", re.compile(r"psycopg/types")),
-    ("asyncio event loop", re.compile(r"asyncio/|selectors\.py")),
-    ("payload JSON decoding", re.compile(r"json/")),
+RATE = 500
+# Each sample is charged to the innermost frame on its stack that belongs to
+# one of these parts of the worker (psycopg, asyncio or json frames below it
+# count for the part that called them); a sample in none of them is the event
+# loop's own work.
+PARTS = [
+    (
+        "start-up (imports, CLI, schema check)",
+        re.compile(r"_find_and_load|_handle_fromlist|check_schema|load_registry|make_engine"),
+    ),
+    ("handler threads, thread side (incl. the handler)", re.compile(r"^HandlerThreads\._work ")),
+    ("handler threads, loop side (hand over, wake, deliver)", re.compile(r"^HandlerThreads\.")),
+    ("claim: Driver.claim (send, wait, parse rows, payloads)", re.compile(r"^Driver\.claim ")),
+    (
+        "completion: Finisher (per-job future, fenced complete_many)",
+        re.compile(r"^Finisher\.|^retrying "),
+    ),
+    (
+        "per-job coroutine: _execute, _call, _finish",
+        re.compile(r"^Worker\._(execute|call|finish) "),
+    ),
+    (
+        "claim loop: _take, _dispatch, _room, _wait, _maintain",
+        re.compile(r"^Worker\._(take|dispatch|room|wait|maintain|claim_loop|idle_timeout) "),
+    ),
+    ("heartbeat", re.compile(r"^Worker\._heartbeat ")),
     ("logging", re.compile(r"logging/")),
-    ("handler threads (wake, hand back)", re.compile(r"threading\.py|HandlerThreads")),
-    ("worker bookkeeping", re.compile(r"sqla_jobq/worker\.py")),
-    ("driver (statement parameters)", re.compile(r"sqla_jobq/driver\.py")),
-    ("handler itself", re.compile(r"bench/tasks\.py")),
 ]
+LOOP = "asyncio event loop itself (select, callbacks, task steps)"
+STARTUP = PARTS[0][0]
 
 
-def categorize(frame: str) -> str:
-    for name, pattern in CATEGORIES:
-        if pattern.search(frame):
-            return name
-    return "other"
+def part_of(frames: list[str]) -> str:
+    for frame in reversed(frames):
+        for name, pattern in PARTS:
+            if pattern.search(frame):
+                return name
+    return LOOP
 
 
 def main(argv: list[str]) -> int:
-    jobs = int(argv[0]) if argv else 40_000
-    concurrency = argv[1] if len(argv) > 1 else "8"
+    jobs = int(argv[0]) if argv else 60_000
+    concurrency = int(argv[1]) if len(argv) > 1 else 8
     task = argv[2] if len(argv) > 2 else "noop"
     pyspy = shutil.which("py-spy")
     if pyspy is None:
         print("py-spy is not installed: pip install py-spy", file=sys.stderr)
         return 2
+    parts: collections.Counter[str] = collections.Counter()
+    total = 0
     with common.scratch_database(common.Sizes(), 1) as bench, tempfile.TemporaryDirectory() as tmp:
         common.create_table(bench)
         common.fill(bench, jobs, task=task)
         raw = Path(tmp) / "profile.txt"
         cmd = [
-            pyspy,
-            "record",
-            "--gil",
-            "--rate",
-            "500",
-            "--format",
-            "raw",
-            "--output",
-            str(raw),
-            "--",
-            *common.worker_command(bench, concurrency=int(concurrency), burst=True),
+            *(pyspy, "record", "--gil", "--rate", str(RATE), "--format", "raw"),
+            *("--output", str(raw), "--"),
+            *common.worker_command(bench, concurrency=concurrency, burst=True),
         ]
         subprocess.run(
             cmd,
@@ -74,28 +87,25 @@ def main(argv: list[str]) -> int:
         )
         o = common.outcome(bench)
         common.require_all_done(o, "profiled worker")
-        own: collections.Counter[str] = collections.Counter()
-        leaf: collections.Counter[str] = collections.Counter()
-        total = 0
         for line in raw.read_text().splitlines():
             stack, _, n = line.rpartition(" ")
             if not stack:
                 continue
-            samples = int(n)
-            total += samples
-            frames = stack.split(";")
-            own[categorize(frames[-1])] += samples
-            leaf[re.sub(r" \(.*/", " (", frames[-1])] += samples
+            total += int(n)
+            frames = [re.sub(r"\(.*?([^/]+\.py)?:\d+\)", r"(\1)", f) for f in stack.split(";")]
+            parts[part_of(frames)] += int(n)
+    steady = total - parts[STARTUP]
+    drain = jobs / o.rate if o.rate else float("nan")
+    print(f"{jobs:,} {task} jobs, -c {concurrency}: {o.rate:,.0f} jobs/s, drained in {drain:.2f} s")
     print(
-        f"{jobs:,} {task} jobs, -c {concurrency}: {o.rate:,.0f} jobs/s; "
-        f"{total:,} samples of the GIL holder at 500 Hz"
+        f"GIL held {total / RATE:.2f} s in all, {steady / RATE:.2f} s after start-up: "
+        f"{steady / RATE / jobs * 1e6:.0f} us per job, "
+        f"{steady / RATE / drain * 100:.0f}% of the drain's wall time"
     )
-    print("by where the innermost frame is:")
-    for name, samples in own.most_common():
-        print(f"  {samples / total * 100:5.1f}%  {name}")
-    print("top functions (self):")
-    for name, samples in leaf.most_common(15):
-        print(f"  {samples / total * 100:5.1f}%  {name}")
+    print(f"  {'all':>6} {'steady':>7}  part of the worker")
+    for name, samples in parts.most_common():
+        share = "" if name == STARTUP else f"{samples / steady * 100:6.1f}%"
+        print(f"  {samples / total * 100:5.1f}% {share:>7}  {name}")
     return 0
 
 

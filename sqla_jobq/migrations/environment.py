@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from logging.config import fileConfig
 
 from alembic import context
 from sqlalchemy import create_engine, pool
@@ -13,6 +14,8 @@ from ..db import sqlalchemy_url
 def run() -> None:
     """Run the migrations Alembic asked for, online or as SQL (`--sql`)."""
     config = context.config
+    if config.config_file_name is not None:
+        fileConfig(config.config_file_name, disable_existing_loggers=False)
     url = config.get_main_option("sqlalchemy.url") or os.environ.get("JOBQ_DATABASE_URL")
     if not url:
         raise SystemExit("set JOBQ_DATABASE_URL (or sqlalchemy.url in alembic.ini)")
