@@ -63,7 +63,8 @@ def machine() -> dict[str, Any]:
         settings: dict[str, str] = dict(
             conn.execute(
                 "SELECT name, setting FROM pg_settings WHERE name IN "
-                "('synchronous_commit', 'fsync', 'shared_buffers', 'max_connections')"
+                "('synchronous_commit', 'fsync', 'full_page_writes', 'shared_buffers', "
+                "'work_mem', 'autovacuum', 'max_connections')"
             ).fetchall()
         )
     return {

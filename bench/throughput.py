@@ -1,7 +1,7 @@
 """1 and 2: throughput of `jobq worker --burst`, against the ceilings.
 
 Every contender drains the same freshly filled queue (TRUNCATE, N ready no-op
-jobs, VACUUM ANALYZE) and the rate comes from the database: N jobs divided by
+jobs, VACUUM ANALYZE, CHECKPOINT) and the rate comes from the database: N jobs divided by
 max(finished_at) - min(started_at), the first claim to the last completion,
 so interpreter start-up is not counted against anyone (the process wall time
 is recorded too). Afterwards every job must be `done` with `attempts = 1`.
@@ -10,9 +10,12 @@ The ceilings run the same lease lifecycle: claim 10 with SKIP LOCKED
 (committed on its own), then one fenced completion of exactly the claimed
 (id, attempts) pairs, as two statements:
 
-* pgbench: the claim wraps the worker's claim in a CTE that folds the claimed
-  ids and attempts into two arrays, which `\\gset` hands to the client; the
-  second statement completes them with the worker's fenced `complete_many`.
+* pgbench: the worker's claim (the same SQL, LIMIT 10 written in) inside a
+  CTE whose outer SELECT folds the claimed ids and attempts into two arrays,
+  which `\\gset` hands to the client; the second statement is the worker's
+  fenced `complete_many` of exactly those pairs. pgbench runs each statement
+  in its own transaction (no BEGIN in the script), so the claim is committed
+  before the completion starts, as in the worker.
 * bench.loop: 8 threads of plain psycopg running the worker's own compiled
   statements, prepared, on autocommit connections.
 """
@@ -44,7 +47,7 @@ WITH next AS (
 ), claimed AS (
   UPDATE jobs SET status = 'running', attempts = jobs.attempts + 1,
     locked_until = now() + interval '5 minutes', started_at = now()
-  FROM next WHERE jobs.id = next.id
+  WHERE jobs.id = ANY (ARRAY(SELECT id FROM next))
   RETURNING jobs.id, jobs.task, jobs.queue, jobs.payload, jobs.attempts,
     jobs.max_attempts, jobs.locked_until
 )

@@ -384,6 +384,13 @@ def claim(
     marks them running, bumps the fencing token and writes the lease. Commit at
     once (or run it in autocommit): the lease, not an open transaction, is
     what keeps the job yours while it runs.
+
+    The UPDATE takes the locked ids as an array (`id = ANY(ARRAY(SELECT ...))`)
+    rather than joining the CTE: once the statement is prepared, PostgreSQL's
+    generic plan cannot see `limit`, guesses 1,000 rows, and joins them back
+    with a hash over a sequential scan of the whole table on every claim. An
+    array leaves it nothing to get wrong: primary-key lookups whatever the
+    guess.
     """
     if limit < 1:
         raise ValueError(f"limit must be at least 1, got {limit}")
@@ -400,9 +407,10 @@ def claim(
         .with_for_update(skip_locked=True)
         .cte("next")
     )
+    locked = func.array(select(ready.c.id).scalar_subquery(), type_=ARRAY(BigInteger))
     return (
         update(table)
-        .where(c.id == ready.c.id)
+        .where(c.id == any_(locked))
         .values(
             status=_status_literal("running"),
             attempts=c.attempts + 1,

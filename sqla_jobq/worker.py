@@ -307,6 +307,10 @@ class Worker:
         self.ready: deque[Running] = deque()  # claimed, waiting for a free slot
         self.executing = 0
         self.avg_handler: float | None = None  # seconds, moving average
+        # Claimed and not yet recorded, at most (see _room); held_back says
+        # that limit is what keeps the claim loop waiting.
+        self.max_held = 2 * (options.concurrency + options.prefetch)
+        self.held_back = False
         self.payload_keys: dict[str, set[frozenset[str]]] = defaultdict(set)
         self.event = asyncio.Event()
         self.stopping = False
@@ -392,6 +396,11 @@ class Worker:
         ahead, so the next batch is in flight while this one runs and claims
         come in batches of dozens; that top-up waits until it is worth a
         round trip (half the capacity).
+
+        Jobs whose outcome is not recorded yet count too: the worker holds at
+        most twice its capacity, so when completions fall behind (a slow or
+        lost database), claiming waits for them instead of piling up every
+        job of the queue in memory.
         """
         concurrency = self.options.concurrency
         free = concurrency - self.executing - len(self.ready)
@@ -399,7 +408,9 @@ class Worker:
         if self.avg_handler is not None:
             per_slot = PREFETCH_SECONDS / max(self.avg_handler, 1e-6)
             extra = min(self.options.prefetch, int(concurrency * per_slot))
-        room = free + extra
+        unheld = self.max_held - len(self.active)
+        room = min(free + extra, unheld)
+        self.held_back = unheld < free + extra
         if room <= 0:
             return 0
         if free > 0 and not self.ready:
@@ -529,6 +540,8 @@ class Worker:
             outcome = f"unrecorded ({exc}); the lease will expire and the job run again"
         finally:
             self.active.pop(row.id, None)
+            if self.held_back:
+                self.wake()
         self.processed += 1
         log.info(
             "job %d task=%s attempt=%d duration=%.1fms outcome=%s",
