@@ -17,7 +17,7 @@ from .horizon import (
 )
 from .model import Facts, Finding, Thresholds, ok, warn
 from .queues import queue_findings
-from .table import dead_tuple_finding, index_findings, size_finding
+from .table import dead_tuple_finding, index_findings, size_finding, statistics_finding
 from .units import secs
 
 
@@ -50,6 +50,7 @@ def judge(facts: Facts, names: Names, t: Thresholds) -> list[Finding]:
         *_or_ok(prepared, "prepared_transaction", "no orphaned prepared transaction"),
         *_or_ok(slots, "replication_slot", "no replication slot holds the horizon back"),
         dead_tuple_finding(facts, names, t, held_back),
+        statistics_finding(facts, names),
         size_finding(facts),
         *index_findings(facts.indexes, names),
         *queue_findings(facts.queues, names, t),

@@ -59,6 +59,7 @@ CHECKS = (
     "prepared_transaction",
     "replication_slot",
     "dead_tuples",
+    "statistics",
     "table_size",
     "index",
     "ready_backlog",

@@ -55,6 +55,30 @@ def dead_tuple_finding(facts: Facts, names: Names, t: Thresholds, held_back: boo
     return ok("dead_tuples", "table", summary, data)
 
 
+# Below this many rows a sort of every queued row is cheap whatever the plan.
+UNANALYZED_ROWS = 1_000
+
+
+def statistics_finding(facts: Facts, names: Names) -> Finding:
+    """A queue table never analyzed gets a bad claim plan.
+
+    Without statistics the planner may take the classic ready index and sort
+    every queued row on each claim (measured: 14 ms a claim at 100,000 queued
+    jobs, ten times the server CPU) instead of walking the claim index and
+    stopping at the limit. Autovacuum analyzes a busy table within a minute;
+    with autovacuum off, nothing ever does.
+    """
+    row = facts.table
+    rows = int(row["n_live_tup"]) + int(row["n_dead_tup"])
+    analyzed = row["last_analyze"] or row["last_autoanalyze"]
+    data = {"analyzed": analyzed is not None, "rows": rows}
+    if analyzed is None and rows >= UNANALYZED_ROWS:
+        summary = f"never analyzed, {rows:,} rows: claims may sort every queued job"
+        return warn("statistics", "table", summary, f"ANALYZE {names.qualified}", data)
+    when = "never (small table)" if analyzed is None else f"last {ago(analyzed, facts.checked_at)}"
+    return ok("statistics", "table", f"analyzed {when}", data)
+
+
 def _vacuum_advice(names: Names, held_back: bool, autovacuum: bool) -> str:
     table = names.qualified
     if held_back:
