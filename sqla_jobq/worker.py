@@ -22,30 +22,25 @@ import contextvars
 import functools
 import logging
 import os
-import queue
 import signal
-import threading
 import time
 from collections import defaultdict, deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any
 
 import psycopg
 
 from .driver import ClaimedRow, Driver
+from .finisher import RETRY_MAX, RETRY_START, Finisher, retrying
 from .notify import Listener
 from .registry import Job, Registry, set_current_job
 from .schema import names_of
+from .threads import HandlerThreads
 
 log = logging.getLogger("sqla_jobq.worker")
 
-T = TypeVar("T")
-
-RETRY_START = 0.1
-RETRY_MAX = 5.0
-FINISH_RETRIES = 12
 PRUNE_BATCH = 10_000
 # The prefetch buffer holds about this much work (estimated from a moving
 # average of handler durations), so a prefetched job waits about this long
@@ -99,199 +94,6 @@ class Running:
     lost: bool = False
     handler_done: bool = False
     task: asyncio.Task[Any] | None = field(default=None, repr=False)
-
-
-class Finisher:
-    """Batches completions into one fenced `complete_many` per flush.
-
-    While one flush is in flight, later completions queue up and go together
-    in the next: the busier the worker, the bigger the batches.
-    """
-
-    def __init__(self, driver: Driver) -> None:
-        self.driver = driver
-        self.pending: list[tuple[int, int, asyncio.Future[bool]]] = []
-        self.kick = asyncio.Event()
-
-    def complete(self, job_id: int, attempts: int) -> asyncio.Future[bool]:
-        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        self.pending.append((job_id, attempts, future))
-        self.kick.set()
-        return future
-
-    async def run(self) -> None:
-        while True:
-            await self.kick.wait()
-            self.kick.clear()
-            await self.flush()
-
-    async def flush(self) -> None:
-        batch, self.pending = self.pending, []
-        if not batch:
-            return
-        pairs = [(job_id, attempts) for job_id, attempts, _ in batch]
-        try:
-            owned = await retrying("record completions", lambda: self.driver.complete_many(pairs))
-        except psycopg.Error as exc:
-            for *_, future in batch:
-                future.set_exception(exc)
-            return
-        for job_id, _, future in batch:
-            future.set_result(job_id in owned)
-
-
-class HandlerThreads:
-    """Runs plain (sync) handlers on threads, waking as few threads as it can.
-
-    What `run_in_executor` pays per job (a concurrent Future, its asyncio
-    twin, a thread woken to take it and the loop woken to hear back) is paid
-    here per batch. Jobs handed over in one turn of the loop wake one thread,
-    which runs them one after another: cheap handlers never pay a thread
-    switch each. If jobs are waiting while a handler has been running for
-    `spread_after` seconds with no other handler starting or finishing, that
-    handler is slow: every waiting job gets a thread of its own (at most
-    `size`, and the worker never has more than `size` jobs out), so a slow job
-    delays the others of its batch by about a millisecond, not by itself.
-    (Jobs merely waiting for a woken thread to get the GIL wake no more
-    threads: that would only add contention.) Finished jobs are collected in
-    a list, and only the first of a batch wakes the loop.
-    """
-
-    def __init__(self, size: int, spread_after: float = 0.001) -> None:
-        self.size = size
-        self.spread_after = spread_after
-        self.pending: deque[tuple[asyncio.Future[None], Callable[[], object]]] = deque()
-        self.permits: queue.SimpleQueue[None] = queue.SimpleQueue()  # C, unlike Semaphore
-        self.threads: list[threading.Thread] = []
-        self.lock = threading.Lock()
-        self.busy = 0  # threads inside a handler (under lock)
-        self.unclaimed = 0  # permits released and not yet taken (under lock)
-        self.progress = time.monotonic()  # when a handler last started or finished
-        self.done: list[tuple[asyncio.Future[None], BaseException | None]] = []
-        self.closing = False
-        self.kicked = False
-        self.loop: asyncio.AbstractEventLoop | None = None
-
-    def run(self, call: Callable[[], object]) -> asyncio.Future[None]:
-        """Run `call` on a thread; the future resolves with its outcome."""
-        if self.loop is None:
-            self.loop = asyncio.get_running_loop()
-        future = self.loop.create_future()
-        self.pending.append((future, call))
-        if not self.kicked:
-            # The first job of this turn of the loop wakes a thread at once
-            # (it gets the GIL when the loop next waits, by which time the
-            # rest of the turn's jobs are queued behind it).
-            self.kicked = True
-            self._wake(1)
-            self.loop.call_soon(self._kicked)
-        return future
-
-    def _kicked(self) -> None:
-        self.kicked = False
-        if self.pending:  # in case that thread had already gone back to sleep
-            self._wake(1)
-        assert self.loop is not None
-        self.loop.call_later(self.spread_after, self._spread)
-
-    def _spread(self) -> None:
-        waiting = len(self.pending)
-        if not waiting:
-            return
-        stalled = time.monotonic() - self.progress >= self.spread_after
-        self._wake(waiting if stalled and self.busy else 1)
-        assert self.loop is not None
-        self.loop.call_later(self.spread_after, self._spread)
-
-    def _wake(self, count: int) -> None:
-        """Make sure `count` threads are awake or about to be, starting new ones if needed."""
-        with self.lock:
-            release = max(0, count - self.unclaimed)
-            self.unclaimed += release
-            needed = min(self.size, self.busy + self.unclaimed)
-        for _ in range(needed - len(self.threads)):
-            thread = threading.Thread(
-                target=self._work, name=f"jobq_{len(self.threads)}", daemon=True
-            )
-            self.threads.append(thread)
-            thread.start()
-        for _ in range(release):
-            self.permits.put(None)
-
-    def _work(self) -> None:
-        assert self.loop is not None
-        while True:
-            self.permits.get()
-            if self.closing:
-                return
-            with self.lock:
-                self.unclaimed -= 1
-            while True:
-                try:
-                    future, call = self.pending.popleft()
-                except IndexError:
-                    break
-                if future.cancelled():  # its job was given up before a thread took it
-                    continue
-                with self.lock:
-                    self.busy += 1
-                self.progress = time.monotonic()
-                error: BaseException | None = None
-                try:
-                    call()
-                except BaseException as exc:
-                    error = exc
-                self.progress = time.monotonic()
-                with self.lock:
-                    self.busy -= 1
-                    self.done.append((future, error))
-                    first = len(self.done) == 1
-                if first:
-                    try:
-                        self.loop.call_soon_threadsafe(self._deliver)
-                    except RuntimeError:  # the loop is closed: nobody is waiting any more
-                        return
-
-    def _deliver(self) -> None:
-        with self.lock:
-            batch, self.done = self.done, []
-        for future, error in batch:
-            if future.cancelled():
-                continue
-            if error is None:
-                future.set_result(None)
-            else:
-                future.set_exception(error)
-
-    def shutdown(self, timeout: float = 1.0) -> None:
-        """Drop calls no thread has taken yet, and let idle threads exit; a
-        handler still running keeps its thread."""
-        self.closing = True
-        self.pending.clear()
-        for _ in self.threads:
-            self.permits.put(None)
-        deadline = time.monotonic() + timeout
-        for thread in self.threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
-
-
-async def retrying(what: str, call: Callable[[], Awaitable[T]]) -> T:
-    """Retry a statement across lost connections, with backoff, a bounded number of times.
-
-    Fenced statements are safe to repeat: one that already took effect
-    matches no row the second time.
-    """
-    delay = RETRY_START
-    for attempt in range(FINISH_RETRIES):
-        try:
-            return await call()
-        except psycopg.OperationalError as exc:
-            if attempt == FINISH_RETRIES - 1:
-                raise
-            log.warning("could not %s (%s); retrying in %.1fs", what, exc, delay)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, RETRY_MAX)
-    raise AssertionError("unreachable")
 
 
 class Worker:
