@@ -23,6 +23,7 @@ from sqlalchemy import create_engine
 from sqlalchemy.pool import NullPool
 
 from sqla_jobq import driver
+from sqla_jobq.registry import Job
 from sqla_jobq.worker import Worker, WorkerOptions
 
 from . import common, tasks
@@ -34,7 +35,7 @@ def main(argv: list[str]) -> int:
     wakes: list[float] = []
     original = driver.Driver.claim
 
-    async def timed_claim(self: driver.Driver, limit: int) -> list[driver.ClaimedRow]:
+    async def timed_claim(self: driver.Driver, limit: int) -> list[Job]:
         sent = time.time()
         rows = await original(self, limit)
         back = time.time()

@@ -24,6 +24,7 @@ from sqlalchemy.dialects.postgresql import psycopg as pg_psycopg
 
 from . import statements
 from .db import conninfo
+from .registry import Job
 
 log = logging.getLogger("sqla_jobq.driver")
 
@@ -45,16 +46,6 @@ class Compiled:
 
     def params(self, **values: Any) -> dict[str, Any]:
         return {**self.defaults, **values}
-
-
-@dataclass(frozen=True)
-class ClaimedRow:
-    id: int
-    task: str | None
-    queue: str
-    payload: Any
-    attempts: int
-    max_attempts: int
 
 
 def worker_name() -> str:
@@ -123,9 +114,9 @@ class Driver:
             except psycopg.Error:
                 log.debug("error while closing a broken connection", exc_info=True)
 
-    async def claim(self, limit: int) -> list[ClaimedRow]:
+    async def claim(self, limit: int) -> list[Job]:
         cur = await self._run("claim", limit=limit)
-        return [ClaimedRow(*row[:6]) for row in await cur.fetchall()]
+        return [Job(*row[:6]) for row in await cur.fetchall()]
 
     async def complete_many(self, jobs: Sequence[tuple[int, int]]) -> set[int]:
         cur = await self._run(

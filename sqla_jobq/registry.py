@@ -27,7 +27,7 @@ R = TypeVar("R")
 
 @dataclass(frozen=True)
 class Job:
-    """The job a handler is running, as `current_job()` returns it."""
+    """A claimed job: what the worker runs, and what `current_job()` returns."""
 
     id: int
     task: str | None

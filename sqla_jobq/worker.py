@@ -32,7 +32,7 @@ from typing import Any
 
 import psycopg
 
-from .driver import ClaimedRow, Driver
+from .driver import Driver
 from .finisher import RETRY_MAX, RETRY_START, Finisher, retrying
 from .notify import Listener
 from .registry import Job, Registry, set_current_job
@@ -87,7 +87,7 @@ class WorkerOptions:
 class Running:
     """A job this worker claimed and has not yet finished recording."""
 
-    row: ClaimedRow
+    row: Job
     lease: timedelta
     started: float
     extended: float
@@ -297,7 +297,7 @@ class Worker:
         if total:
             log.info("pruned %d finished jobs older than %s", total, older_than)
 
-    def _take(self, row: ClaimedRow) -> None:
+    def _take(self, row: Job) -> None:
         """A claimed job: ours from now on (its lease is watched), queued for a slot."""
         task = self.registry.get(row.task)
         lease = task.lease if task is not None else self.claim_lease
@@ -323,7 +323,7 @@ class Worker:
             self.job_tasks.add(job_task)
             job_task.add_done_callback(self.job_tasks.discard)
 
-    async def _execute(self, row: ClaimedRow) -> None:
+    async def _execute(self, row: Job) -> None:
         entry = self.active[row.id]
         try:
             error = await self._call(entry)
@@ -374,8 +374,7 @@ class Worker:
             if len(known) < PAYLOAD_KEY_SETS:  # a **kwargs handler takes any names
                 known.add(keys)
         context = contextvars.copy_context()
-        job = Job(row.id, row.task, row.queue, row.payload, row.attempts, row.max_attempts)
-        context.run(set_current_job, job)
+        context.run(set_current_job, row)
         try:
             if task.is_async:
                 entry.task = asyncio.create_task(task.fn(**row.payload), context=context)
@@ -391,7 +390,7 @@ class Worker:
             return f"{type(exc).__name__}: {exc}"
         return None
 
-    async def _finish(self, row: ClaimedRow, error: str | None) -> str:
+    async def _finish(self, row: Job, error: str | None) -> str:
         if error is None:
             owned = await self.finisher.complete(row.id, row.attempts)
             return "done" if owned else "lost (no longer ours; not completed)"
