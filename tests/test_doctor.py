@@ -37,6 +37,7 @@ from sqla_jobq.statements import NewJob
 TABLE_CHECKS = {
     "schema_version",
     "dead_tuples",
+    "statistics",
     "table_size",
     "index",
     "ready_backlog",
@@ -365,6 +366,32 @@ def test_doctor_flags_an_index_left_invalid_by_a_failed_concurrent_build(
 
     raw.execute(invalid.advice.removeprefix("rebuild it: ").encode())
     assert all(f.level == "ok" for f in of_check(diagnose(engine, table), "index"))
+
+
+def test_doctor_flags_a_never_analyzed_table_until_it_is_analyzed(
+    engine: Engine, table: Table, raw: psycopg.Connection[tuple[object, ...]]
+) -> None:
+    """Without statistics a claim may sort every queued job instead of walking the
+    claim index; on a server with autovacuum off nothing ever analyzes the table."""
+    enqueue(engine, table, 1500)
+    deadline = time.monotonic() + 10
+    while True:  # the statistics collector reports the new rows asynchronously
+        (finding,) = of_check(diagnose(engine, table), "statistics")
+        if finding.level == "warn" or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert finding.level == "warn"
+    assert finding.advice == f'ANALYZE "{table.name}"'
+
+    raw.execute(finding.advice.encode())
+    deadline = time.monotonic() + 10
+    while True:
+        (finding,) = of_check(diagnose(engine, table), "statistics")
+        if finding.level == "ok" or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert finding.level == "ok"
+    assert finding.data["analyzed"] is True
 
 
 # --- healthy, and the CLI's contract ------------------------------------------------------
