@@ -54,16 +54,31 @@ def enqueue_many(conn: Executor, table: Table, rows: Iterable[NewJob]) -> list[i
     if copied is not None:
         return copied
     ids: list[int] = []
-    for start in range(0, len(rows), ENQUEUE_PAGE):
-        page = rows[start : start + ENQUEUE_PAGE]
-        found = list(conn.execute(statements.enqueue_many(table, page)).scalars())
-        missing = [i for i, job_id in enumerate(found) if job_id is None]
+    for page, stmt in _pages(table, rows):
+        found = list(conn.execute(stmt).scalars())
+        missing = _missing(found)
         if missing:  # as in `enqueue`: a duplicate committed while we waited
             again = conn.execute(statements.enqueue_many(table, [page[i] for i in missing]))
-            for i, job_id in zip(missing, again.scalars(), strict=True):
-                found[i] = job_id
+            found = _filled(found, missing, again.scalars())
         ids += _ids(found)
     return ids
+
+
+def _pages(table: Table, rows: list[NewJob]) -> list[tuple[list[NewJob], Any]]:
+    """Every page's statement, built (so every row checked) before any is sent."""
+    pages = [rows[start : start + ENQUEUE_PAGE] for start in range(0, len(rows), ENQUEUE_PAGE)]
+    return [(page, statements.enqueue_many(table, page)) for page in pages]
+
+
+def _missing(found: list[Any]) -> list[int]:
+    return [i for i, job_id in enumerate(found) if job_id is None]
+
+
+def _filled(found: list[Any], missing: list[int], again: Iterable[Any]) -> list[Any]:
+    found = list(found)
+    for i, job_id in zip(missing, again, strict=True):
+        found[i] = job_id
+    return found
 
 
 def _copy_many(conn: Executor, table: Table, rows: list[NewJob]) -> list[int] | None:
@@ -141,13 +156,11 @@ async def enqueue_many_async(
     if copied is not None:
         return copied
     ids: list[int] = []
-    for start in range(0, len(rows), ENQUEUE_PAGE):
-        page = rows[start : start + ENQUEUE_PAGE]
-        found = list((await conn.execute(statements.enqueue_many(table, page))).scalars())
-        missing = [i for i, job_id in enumerate(found) if job_id is None]
+    for page, stmt in _pages(table, rows):
+        found = list((await conn.execute(stmt)).scalars())
+        missing = _missing(found)
         if missing:  # as in `enqueue`: a duplicate committed while we waited
             again = await conn.execute(statements.enqueue_many(table, [page[i] for i in missing]))
-            for i, job_id in zip(missing, again.scalars(), strict=True):
-                found[i] = job_id
+            found = _filled(found, missing, again.scalars())
         ids += _ids(found)
     return ids

@@ -19,7 +19,7 @@ from sqlalchemy import Table
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from . import client
-from .statements import DEFAULT_LEASE, InvalidJob, NewJob, encode_payload
+from .statements import DEFAULT_LEASE, InvalidJob, NewJob
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -90,7 +90,11 @@ class Task(Generic[P, R]):
         return f"<Task {self.name} queue={self.queue!r}>"
 
     def check_payload(self, payload: Any) -> dict[str, Any]:
-        """The payload as keyword arguments, or InvalidJob saying why not."""
+        """The payload as keyword arguments, or InvalidJob saying why not.
+
+        Only the shape is checked here; the statements check (and encode) the
+        JSON itself, once, before any SQL is sent.
+        """
         if not isinstance(payload, Mapping):
             raise InvalidJob(
                 f"payload for task {self.name} must be a JSON object of keyword arguments, "
@@ -103,7 +107,6 @@ class Task(Generic[P, R]):
             raise InvalidJob(
                 f"payload does not match {self.name}{self.signature}: {exc}"
             ) from None
-        encode_payload(kwargs)
         return kwargs
 
     def new_job(

@@ -95,12 +95,12 @@ class NewJob:
 
 def status_is(column: ColumnElement[Any], status: str) -> ColumnElement[bool]:
     """`status = 'literal'`, inline so partial indexes stay usable when prepared."""
-    if status not in STATUSES:
-        raise ValueError(f"unknown status {status!r}")
-    return column == literal_column(f"'{status}'", Text)
+    return column == _status_literal(status)
 
 
 def _status_literal(status: str) -> ColumnElement[str]:
+    if status not in STATUSES:
+        raise ValueError(f"unknown status {status!r}")
     return literal_column(f"'{status}'", Text)
 
 
@@ -356,13 +356,10 @@ def copy_rows(rows: Iterable[NewJob]) -> list[tuple[Any, ...]] | None:
     as `enqueue_many` checks them; or None when some row needs `enqueue_many`
     itself: a unique key (COPY has no ON CONFLICT), or a `run_at` or `delay`
     (jobs due now are the bulk case; the server's clock decides "now")."""
-    out: list[tuple[Any, ...]] = []
-    for row in rows:
-        if row.unique_key is not None or row.run_at is not None or row.delay is not None:
-            return None
-        payload = _check_job(row)
-        out.append((row.task, payload, row.queue, row.priority, row.max_attempts))
-    return out
+    rows = list(rows)
+    if any(r.unique_key is not None or r.run_at is not None or r.delay is not None for r in rows):
+        return None  # decided before encoding anything: `enqueue_many` encodes them then
+    return [(r.task, _check_job(r), r.queue, r.priority, r.max_attempts) for r in rows]
 
 
 def claim_columns(table: Table) -> tuple[ColumnElement[Any], ...]:
@@ -430,20 +427,29 @@ def _fence(table: Table, job_id: int, attempts: int) -> tuple[ColumnElement[bool
     )
 
 
+# What `complete` and `complete_many` write.
+_DONE: dict[str, Any] = {
+    "status": _status_literal("done"),
+    "locked_until": null(),
+    "finished_at": func.now(),
+}
+
+
 def complete(table: Table, id: int, attempts: int) -> Update:
     """Mark a job done, if it is still ours (row count 1) and not otherwise (0)."""
     return (
         update(table)
         .where(*_fence(table, id, attempts))
-        .values(status=_status_literal("done"), locked_until=null(), finished_at=func.now())
+        .values(**_DONE)
     )
 
 
-def _owned_rows(ids: Sequence[int], attempts: Sequence[int]) -> Any:
+def _owned_rows(jobs: Sequence[tuple[int, int]]) -> Any:
+    """`(id, attempts)` pairs as a table: two arrays unnested side by side."""
     return (
         func.unnest(
-            bindparam("ids", list(ids), type_=ARRAY(BigInteger)),
-            bindparam("attempts", list(attempts), type_=ARRAY(Integer)),
+            bindparam("ids", [j[0] for j in jobs], type_=ARRAY(BigInteger)),
+            bindparam("attempts", [j[1] for j in jobs], type_=ARRAY(Integer)),
         )
         .table_valued("id", "attempts")
         .render_derived(name="owned")
@@ -460,11 +466,11 @@ def complete_many(table: Table, jobs: Sequence[tuple[int, int]]) -> Update:
 
     Returns the ids that were still ours; the others had been taken away.
     """
-    owned = _owned_rows([j[0] for j in jobs], [j[1] for j in jobs])
+    owned = _owned_rows(jobs)
     return (
         update(table)
         .where(*_fence_many(table, owned))
-        .values(status=_status_literal("done"), locked_until=null(), finished_at=func.now())
+        .values(**_DONE)
         .returning(table.c.id)
     )
 
@@ -510,7 +516,7 @@ def extend_lease(table: Table, id: int, attempts: int, lease: timedelta = DEFAUL
 
 def extend_leases(table: Table, jobs: Sequence[tuple[int, int]], lease: timedelta) -> Update:
     """`extend_lease` for a batch; returns the ids that were still ours."""
-    owned = _owned_rows([j[0] for j in jobs], [j[1] for j in jobs])
+    owned = _owned_rows(jobs)
     return (
         update(table)
         .where(*_fence_many(table, owned))
