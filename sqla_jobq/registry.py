@@ -37,6 +37,9 @@ class Job:
     max_attempts: int
 
 
+# Sets of argument names remembered as fitting, per task.
+FITTING_NAME_SETS = 64
+
 # Task.enqueue's own keyword options: a task parameter of the same name could
 # never be passed through it.
 RESERVED_PARAMETERS = frozenset({"conn", "run_at", "delay", "unique_key"})
@@ -80,6 +83,7 @@ class Task(Generic[P, R]):
         self.table = table
         self.signature = inspect.signature(fn)
         self.is_async = inspect.iscoroutinefunction(fn)
+        self._fitting: set[frozenset[str]] = set()
         self.__doc__ = fn.__doc__
         self.__name__ = getattr(fn, "__name__", name)
 
@@ -101,13 +105,27 @@ class Task(Generic[P, R]):
                 f"not {type(payload).__name__}"
             )
         kwargs = dict(payload)
+        mismatch = self.mismatch(kwargs)
+        if mismatch is not None:
+            raise InvalidJob(mismatch)
+        return kwargs
+
+    def mismatch(self, kwargs: Mapping[str, Any]) -> str | None:
+        """Why these keyword arguments do not fit the function, or None.
+
+        Whether keyword arguments bind depends only on their names, so each
+        set of names is checked once (the worker asks for every job it runs).
+        """
+        names = frozenset(kwargs)
+        if names in self._fitting:
+            return None
         try:
             self.signature.bind(**kwargs)
         except TypeError as exc:
-            raise InvalidJob(
-                f"payload does not match {self.name}{self.signature}: {exc}"
-            ) from None
-        return kwargs
+            return f"payload does not match {self.name}{self.signature}: {exc}"
+        if len(self._fitting) < FITTING_NAME_SETS:  # a **kwargs function takes any names
+            self._fitting.add(names)
+        return None
 
     def new_job(
         self,

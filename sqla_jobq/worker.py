@@ -50,7 +50,6 @@ PRUNE_BATCH = 10_000
 PREFETCH_SECONDS = 0.01
 DEFAULT_PREFETCH = 64
 HANDOFF_SECONDS = 0.0005
-PAYLOAD_KEY_SETS = 64  # sets of argument names remembered as valid, per task
 
 
 @dataclass(frozen=True)
@@ -113,7 +112,6 @@ class Worker:
         # that limit is what keeps the claim loop waiting.
         self.max_held = 2 * (options.concurrency + options.prefetch)
         self.held_back = False
-        self.payload_keys: dict[str, set[frozenset[str]]] = defaultdict(set)
         self.event = asyncio.Event()
         self.stopping = False
         self.last_reap = float("-inf")
@@ -319,12 +317,12 @@ class Worker:
                 continue
             entry.started = time.monotonic()
             self.executing += 1
-            job_task = asyncio.create_task(self._execute(entry.row))
+            job_task = asyncio.create_task(self._execute(entry))
             self.job_tasks.add(job_task)
             job_task.add_done_callback(self.job_tasks.discard)
 
-    async def _execute(self, row: Job) -> None:
-        entry = self.active[row.id]
+    async def _execute(self, entry: Running) -> None:
+        row = entry.row
         try:
             error = await self._call(entry)
         finally:
@@ -362,17 +360,9 @@ class Worker:
             return f"UnknownTask: task {row.task!r} is not registered on this worker"
         if not isinstance(row.payload, dict):
             return f"InvalidPayload: expected a JSON object, got {type(row.payload).__name__}"
-        # Whether keyword arguments bind depends only on their names: check
-        # each set of names once per task.
-        keys = frozenset(row.payload)
-        known = self.payload_keys[task.name]
-        if keys not in known:
-            try:
-                task.signature.bind(**row.payload)
-            except TypeError as exc:
-                return f"InvalidPayload: payload does not match {task.name}{task.signature}: {exc}"
-            if len(known) < PAYLOAD_KEY_SETS:  # a **kwargs handler takes any names
-                known.add(keys)
+        mismatch = task.mismatch(row.payload)
+        if mismatch is not None:
+            return f"InvalidPayload: {mismatch}"
         context = contextvars.copy_context()
         context.run(set_current_job, row)
         try:
