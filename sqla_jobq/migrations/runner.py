@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Connection, Table, create_engine, text
+from sqlalchemy import Connection, Engine, Table, create_engine, text
 from sqlalchemy.pool import NullPool
 
 from ..schema import Names, quote_ident
@@ -21,25 +21,39 @@ def alembic_config(url: str) -> Config:
     return cfg
 
 
+# Session-level advisory lock held while migrating: two processes starting at
+# once (workers on a fresh database, the embedded server) take turns.
+MIGRATION_LOCK = 0x6A6F6271  # "jobq"
+
+
 def migrate_to_latest(url: str, table: Table) -> int:
     """The default table goes through Alembic (so `alembic_version` agrees);
-    a custom-named one gets the same steps directly."""
+    a custom-named one gets the same steps directly. A table already current
+    is left alone without taking the lock."""
     names = Names(table.name, table.schema)
     engine = create_engine(url, poolclass=NullPool)
     try:
-        with engine.connect() as conn:
-            _refuse_foreign_table(conn, names)
-        if names == Names("jobs", None):
-            command.upgrade(alembic_config(url), "sqla_jobq@head")
-            return LATEST
-        with engine.begin() as conn:
-            if names.schema:
-                conn.execute(text(f"CREATE SCHEMA IF NOT EXISTS {quote_ident(names.schema)}"))
-            for sql in up_statements(names, schema_version(conn, names), LATEST):
-                conn.execute(text(sql))
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as lock:
+            if schema_version(lock, names) >= LATEST:
+                return LATEST
+            _refuse_foreign_table(lock, names)
+            lock.execute(text("SELECT pg_advisory_lock(:key)"), {"key": MIGRATION_LOCK})
+            if schema_version(lock, names) < LATEST:
+                _upgrade(engine, url, names)
     finally:
         engine.dispose()
     return LATEST
+
+
+def _upgrade(engine: Engine, url: str, names: Names) -> None:
+    if names == Names("jobs", None):
+        command.upgrade(alembic_config(url), "sqla_jobq@head")
+        return
+    with engine.begin() as conn:
+        if names.schema:
+            conn.execute(text(f"CREATE SCHEMA IF NOT EXISTS {quote_ident(names.schema)}"))
+        for sql in up_statements(names, schema_version(conn, names), LATEST):
+            conn.execute(text(sql))
 
 
 def _refuse_foreign_table(conn: Connection, names: Names) -> None:
