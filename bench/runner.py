@@ -146,6 +146,20 @@ def table(results: dict[str, Any]) -> list[Row]:
             }
         )
 
+    def vs(
+        figure: str,
+        ours: float,
+        base: float,
+        unit: str,
+        ratio: float | None = None,
+        target: str = "",
+        met: bool | None = None,
+    ) -> None:
+        """A row of two figures in one unit and their ratio (ours / base unless given)."""
+        if ratio is None:
+            ratio = common.ratio(ours, base)
+        add(figure, _fmt(ours, unit), _fmt(base, unit), _fmt(ratio, "x"), target, met)
+
     if "throughput" in results:
         t = results["throughput"]
         c = t["contenders"]
@@ -154,69 +168,59 @@ def table(results: dict[str, Any]) -> list[Row]:
         for ours in ("worker 1x8", "worker 2x4", "worker 1x8 async"):
             r1 = t["ratios"][f"{ours} / psycopg loop"]
             r2 = t["ratios"][f"{ours} / pgbench"]
-            add(
+            vs(
                 f"throughput {ours} vs psycopg loop",
-                _fmt(rate[ours], "/s"),
-                _fmt(loop, "/s"),
-                _fmt(r1, "x"),
+                rate[ours],
+                loop,
+                "/s",
+                r1,
                 ">= 0.6x",
                 r1 >= 0.6,
             )
-            add(
-                f"throughput {ours} vs pgbench",
-                _fmt(rate[ours], "/s"),
-                _fmt(pgb, "/s"),
-                _fmt(r2, "x"),
-                ">= 0.35x",
-                r2 >= 0.35,
-            )
+            vs(f"throughput {ours} vs pgbench", rate[ours], pgb, "/s", r2, ">= 0.35x", r2 >= 0.35)
         info = t["ratios"]["worker 1x8 INFO / worker 1x8"]
-        add(
+        vs(
             "throughput with INFO logging vs WARNING",
-            _fmt(rate["worker 1x8 INFO"], "/s"),
-            _fmt(rate["worker 1x8"], "/s"),
-            _fmt(info, "x"),
+            rate["worker 1x8 INFO"],
+            rate["worker 1x8"],
+            "/s",
+            info,
             "(cost of per-job log)",
-            None,
         )
         w = c["worker 1x8"]["median"]
         p = c["pgbench -c 8 -j 2"]["median"]
-        add(
+        vs(
             "postgres CPU per 10k jobs, worker 1x8 vs pgbench",
-            _fmt(w["pg_cpu_s_per_10k"], " s"),
-            _fmt(p["pg_cpu_s_per_10k"], " s"),
-            _fmt(common.ratio(w["pg_cpu_s_per_10k"], p["pg_cpu_s_per_10k"]), "x"),
-            "",
-            None,
+            w["pg_cpu_s_per_10k"],
+            p["pg_cpu_s_per_10k"],
+            " s",
         )
         lp = c["psycopg loop 8 threads"]["median"]
-        add(
+        vs(
             "client CPU per 10k jobs, worker 1x8 vs psycopg loop",
-            _fmt(w["client_cpu_s_per_10k"], " s"),
-            _fmt(lp["client_cpu_s_per_10k"], " s"),
-            _fmt(common.ratio(w["client_cpu_s_per_10k"], lp["client_cpu_s_per_10k"]), "x"),
-            "",
-            None,
+            w["client_cpu_s_per_10k"],
+            lp["client_cpu_s_per_10k"],
+            " s",
         )
     if "latency" in results:
         lat = results["latency"]
         r = lat["ratio_p50_from_commit_sent"]
-        add(
+        vs(
             "pickup p50 (from COMMIT sent) vs raw LISTEN/NOTIFY",
-            _fmt(lat["ours_sent"]["p50_ms"], " ms"),
-            _fmt(lat["raw_sent"]["p50_ms"], " ms"),
-            _fmt(r, "x"),
+            lat["ours_sent"]["p50_ms"],
+            lat["raw_sent"]["p50_ms"],
+            " ms",
+            r,
             "<= 1.25x",
             r <= 1.25,
         )
         rf = lat["ratio_p50_vs_floor"]
-        add(
+        vs(
             "pickup p50 vs raw LISTEN/NOTIFY + one claim round trip",
-            _fmt(lat["ours_sent"]["p50_ms"], " ms"),
-            _fmt(lat["floor_sent"]["p50_ms"], " ms"),
-            _fmt(rf, "x"),
-            "",
-            None,
+            lat["ours_sent"]["p50_ms"],
+            lat["floor_sent"]["p50_ms"],
+            " ms",
+            rf,
         )
         p99 = lat["ours_sent"]["p99_ms"]
         add(
@@ -237,11 +241,12 @@ def table(results: dict[str, Any]) -> list[Row]:
         )
     if "enqueue" in results:
         e = results["enqueue"]
-        add(
+        vs(
             f"enqueue_many {results['sizes']['enqueue_jobs']:,} in one transaction vs COPY",
-            _fmt(e["enqueue_many_jobs_per_s"], "/s"),
-            _fmt(e["copy_jobs_per_s"], "/s"),
-            _fmt(e["ratio"], "x"),
+            e["enqueue_many_jobs_per_s"],
+            e["copy_jobs_per_s"],
+            "/s",
+            e["ratio"],
             ">= 0.5x",
             e["ratio"] >= 0.5,
         )
@@ -256,11 +261,12 @@ def table(results: dict[str, Any]) -> list[Row]:
         )
     if "history" in results:
         h = results["history"]
-        add(
+        vs(
             f"claim 10 + complete with {h['history_rows']:,} finished rows vs none",
-            _fmt(h["history_ms"], " ms"),
-            _fmt(h["empty_ms"], " ms"),
-            _fmt(h["ratio"], "x"),
+            h["history_ms"],
+            h["empty_ms"],
+            " ms",
+            h["ratio"],
             "<= 1.3x",
             h["ratio"] <= 1.3,
         )

@@ -12,7 +12,7 @@ import asyncio
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
@@ -226,25 +226,44 @@ def expired_claim(engine: Engine, table: Table) -> Any:
     return row
 
 
+def blocked_behind(
+    engine: Engine,
+    raw: psycopg.Connection[Any],
+    hold: Callable[[Connection], object],
+    blocked: Callable[[Connection], T],
+) -> T:
+    """Run `hold` in an open transaction on one session, then `blocked` on a
+    second session in the background; once the second really waits on the
+    first's lock, commit the first. Returns `blocked`'s result, committed."""
+    with session(engine) as holder, session(engine) as waiter, ThreadPoolExecutor(1) as pool:
+        waiter_pid = backend_pid(waiter)
+        try:
+            hold(holder)
+
+            def run() -> T:
+                result = blocked(waiter)
+                waiter.commit()
+                return result
+
+            outcome = in_background(pool, run)
+            wait_until_blocked(raw, waiter_pid)
+        finally:
+            holder.commit()
+        return outcome.result(timeout=10)
+
+
 def test_finisher_blocked_behind_a_reaper_matches_nothing_once_the_reap_commits(
     engine: Engine, table: Table, raw: psycopg.Connection[Any]
 ) -> None:
     row = expired_claim(engine, table)
-    with session(engine) as reaper, session(engine) as worker, ThreadPoolExecutor(1) as pool:
-        worker_pid = backend_pid(worker)
-        try:
-            assert [r.id for r in reaper.execute(statements.reap(table))] == [row.id]
 
-            def finish() -> int:
-                count = worker.execute(statements.complete(table, row.id, row.attempts)).rowcount
-                worker.commit()
-                return count
+    def reap(reaper: Connection) -> None:
+        assert [r.id for r in reaper.execute(statements.reap(table))] == [row.id]
 
-            finished = in_background(pool, finish)
-            wait_until_blocked(raw, worker_pid)
-        finally:
-            reaper.commit()
-        assert finished.result(timeout=10) == 0
+    def finish(worker: Connection) -> int:
+        return worker.execute(statements.complete(table, row.id, row.attempts)).rowcount
+
+    assert blocked_behind(engine, raw, hold=reap, blocked=finish) == 0
     with session(engine) as conn:
         assert status_counts(conn, table) == {"queued": (1, 1)}
 
@@ -253,22 +272,15 @@ def test_reaper_blocked_behind_a_finisher_reaps_nothing_once_it_commits(
     engine: Engine, table: Table, raw: psycopg.Connection[Any]
 ) -> None:
     row = expired_claim(engine, table)
-    with session(engine) as worker, session(engine) as reaper, ThreadPoolExecutor(1) as pool:
-        reaper_pid = backend_pid(reaper)
-        try:
-            # a late finisher whose lease ran out but whose job nobody took yet
-            assert worker.execute(statements.complete(table, row.id, row.attempts)).rowcount == 1
 
-            def reap() -> list[Any]:
-                rows = reaper.execute(statements.reap(table)).all()
-                reaper.commit()
-                return rows
+    def finish(worker: Connection) -> None:
+        # a late finisher whose lease ran out but whose job nobody took yet
+        assert worker.execute(statements.complete(table, row.id, row.attempts)).rowcount == 1
 
-            reaped = in_background(pool, reap)
-            wait_until_blocked(raw, reaper_pid)
-        finally:
-            worker.commit()
-        assert reaped.result(timeout=10) == []
+    def reap(reaper: Connection) -> Sequence[Any]:
+        return reaper.execute(statements.reap(table)).all()
+
+    assert blocked_behind(engine, raw, hold=finish, blocked=reap) == []
     with session(engine) as conn:
         assert status_counts(conn, table) == {"done": (1, 1)}
 
@@ -277,21 +289,14 @@ def test_two_reapers_return_an_expired_job_once(
     engine: Engine, table: Table, raw: psycopg.Connection[Any]
 ) -> None:
     row = expired_claim(engine, table)
-    with session(engine) as first, session(engine) as second, ThreadPoolExecutor(1) as pool:
-        second_pid = backend_pid(second)
-        try:
-            assert [r.id for r in first.execute(statements.reap(table))] == [row.id]
 
-            def reap() -> list[Any]:
-                rows = second.execute(statements.reap(table)).all()
-                second.commit()
-                return rows
+    def first(reaper: Connection) -> None:
+        assert [r.id for r in reaper.execute(statements.reap(table))] == [row.id]
 
-            reaped = in_background(pool, reap)
-            wait_until_blocked(raw, second_pid)
-        finally:
-            first.commit()
-        assert reaped.result(timeout=10) == []
+    def second(reaper: Connection) -> Sequence[Any]:
+        return reaper.execute(statements.reap(table)).all()
+
+    assert blocked_behind(engine, raw, hold=first, blocked=second) == []
 
 
 # --- unique keys under concurrency ---------------------------------------------------

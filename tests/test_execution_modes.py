@@ -7,7 +7,8 @@ from __future__ import annotations
 import asyncio
 import inspect
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -15,7 +16,7 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine, Executable, Table, func, select
 from sqlalchemy.engine import Connection
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession, create_async_engine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, create_async_engine
 from sqlalchemy.orm import Session
 from sqlalchemy.pool import NullPool
 
@@ -87,62 +88,61 @@ def async_url(database_url: str) -> str:
     return sqlalchemy_url(database_url)  # postgresql+psycopg serves async engines too
 
 
+@asynccontextmanager
+async def async_engine(database_url: str) -> AsyncIterator[AsyncEngine]:
+    engine = create_async_engine(async_url(database_url), poolclass=NullPool)
+    try:
+        yield engine
+    finally:
+        await engine.dispose()
+
+
+def committing(executor: Connection | Session) -> Run:
+    """`run` for `lifecycle`: each statement in its own transaction on `executor`."""
+
+    async def run(stmt: Executable) -> Outcome:
+        result = outcome(executor.execute(stmt))
+        executor.commit()
+        return result
+
+    return run
+
+
+def committing_async(executor: AsyncConnection | AsyncSession) -> Run:
+    """`committing` for an async executor."""
+
+    async def run(stmt: Executable) -> Outcome:
+        result = outcome(await executor.execute(stmt))
+        await executor.commit()
+        return result
+
+    return run
+
+
 def test_every_statement_runs_on_a_connection(engine: Engine, table: Table) -> None:
     with engine.connect() as conn:
         assert isinstance(conn, Connection)
-
-        async def run(stmt: Executable) -> Outcome:
-            result = outcome(conn.execute(stmt))
-            conn.commit()
-            return result
-
-        asyncio.run(lifecycle(run, table))
+        asyncio.run(lifecycle(committing(conn), table))
 
 
 def test_every_statement_runs_on_an_orm_session(engine: Engine, table: Table) -> None:
     with Session(engine) as session:
-
-        async def run(stmt: Executable) -> Outcome:
-            result = outcome(session.execute(stmt))
-            session.commit()
-            return result
-
-        asyncio.run(lifecycle(run, table))
+        asyncio.run(lifecycle(committing(session), table))
 
 
 def test_every_statement_runs_on_an_async_connection(database_url: str, table: Table) -> None:
     async def main() -> None:
-        engine = create_async_engine(async_url(database_url), poolclass=NullPool)
-        try:
-            async with engine.connect() as conn:
-                assert isinstance(conn, AsyncConnection)
-
-                async def run(stmt: Executable) -> Outcome:
-                    result = outcome(await conn.execute(stmt))
-                    await conn.commit()
-                    return result
-
-                await lifecycle(run, table)
-        finally:
-            await engine.dispose()
+        async with async_engine(database_url) as engine, engine.connect() as conn:
+            assert isinstance(conn, AsyncConnection)
+            await lifecycle(committing_async(conn), table)
 
     asyncio.run(main())
 
 
 def test_every_statement_runs_on_an_async_session(database_url: str, table: Table) -> None:
     async def main() -> None:
-        engine = create_async_engine(async_url(database_url), poolclass=NullPool)
-        try:
-            async with AsyncSession(engine) as session:
-
-                async def run(stmt: Executable) -> Outcome:
-                    result = outcome(await session.execute(stmt))
-                    await session.commit()
-                    return result
-
-                await lifecycle(run, table)
-        finally:
-            await engine.dispose()
+        async with async_engine(database_url) as engine, AsyncSession(engine) as session:
+            await lifecycle(committing_async(session), table)
 
     asyncio.run(main())
 
@@ -187,8 +187,7 @@ def test_task_enqueue_works_on_every_executor(
         session.commit()
 
     async def main() -> None:
-        aengine = create_async_engine(async_url(database_url), poolclass=NullPool)
-        try:
+        async with async_engine(database_url) as aengine:
             async with aengine.begin() as conn:
                 pending = resize.enqueue(conn, path="a.png", width=100)
                 assert inspect.isawaitable(pending)
@@ -203,8 +202,6 @@ def test_task_enqueue_works_on_every_executor(
                     await resize.enqueue(session, path="c.png", width=300, unique_key="c") == first
                 )
                 await session.commit()
-        finally:
-            await aengine.dispose()
 
     asyncio.run(main())
     assert jobs(engine, table) == [
@@ -262,8 +259,7 @@ def test_task_enqueue_refuses_bad_calls_on_every_executor_and_writes_nothing(
         send.enqueue(session, **kwargs)
 
     async def main() -> None:
-        aengine = create_async_engine(async_url(database_url), poolclass=NullPool)
-        try:
+        async with async_engine(database_url) as aengine:
             async with aengine.connect() as conn:
                 with pytest.raises(InvalidJob, match=match):
                     await send.enqueue(conn, **kwargs)
@@ -272,8 +268,6 @@ def test_task_enqueue_refuses_bad_calls_on_every_executor_and_writes_nothing(
                 with pytest.raises(InvalidJob, match=match):
                     await send.enqueue(session, **kwargs)
                 await session.commit()
-        finally:
-            await aengine.dispose()
 
     asyncio.run(main())
     assert jobs(engine, table) == []

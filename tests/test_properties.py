@@ -20,7 +20,7 @@ After every step the database must equal a plain-Python model, and:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
@@ -114,6 +114,25 @@ class QueueMachine(RuleBasedStateMachine):
             assert self.full_row(job_id) == before, f"stale {name} changed job {job_id}"
             return None
         return held
+
+    def guarded(
+        self, name: str, index: int, status: str, stmt_for: Any
+    ) -> tuple[int, Row, Sequence[Any]] | None:
+        """Run an admin statement on any job (picked by `index`): it applies only to
+        a job in `status`; on any other it must return no rows and leave the row
+        byte-for-byte as it was. Returns (job id, model row before, rows) when it
+        applied, None otherwise."""
+        self.begin(name)
+        job_id = self.pick(sorted(self.model), index)
+        if job_id is None:
+            return None
+        old = self.model[job_id]
+        before = self.full_row(job_id)
+        rows = self.conn.execute(stmt_for(job_id)).all()
+        if old.status != status:
+            assert rows == [] and self.full_row(job_id) == before
+            return None
+        return job_id, old, rows
 
     def some(self, *statuses: str) -> bool:
         return any(r.status in statuses for r in self.model.values())
@@ -247,17 +266,10 @@ class QueueMachine(RuleBasedStateMachine):
     @precondition(lambda self: bool(self.model))
     @rule(index=st.integers(0, 50))
     def retry(self, index: int) -> None:
-        self.begin("retry")
-        job_id = self.pick(sorted(self.model), index)
-        if job_id is None:
+        applied = self.guarded("retry", index, "failed", lambda i: statements.retry(self.table, i))
+        if applied is None:
             return
-        old = self.model[job_id]
-        before = self.full_row(job_id)
-        rows = self.conn.execute(statements.retry(self.table, job_id)).all()
-        if old.status != "failed":
-            assert rows == [] and self.full_row(job_id) == before
-            return
-        (row,) = rows
+        job_id, old, (row,) = applied
         assert row.attempts == old.attempts and row.max_attempts >= old.attempts + 1
         self.model[job_id] = replace(
             old, status="queued", ready=True, max_attempts=row.max_attempts
@@ -266,16 +278,12 @@ class QueueMachine(RuleBasedStateMachine):
     @precondition(lambda self: bool(self.model))
     @rule(index=st.integers(0, 50))
     def cancel(self, index: int) -> None:
-        self.begin("cancel")
-        job_id = self.pick(sorted(self.model), index)
-        if job_id is None:
+        applied = self.guarded(
+            "cancel", index, "queued", lambda i: statements.cancel(self.table, i)
+        )
+        if applied is None:
             return
-        old = self.model[job_id]
-        before = self.full_row(job_id)
-        rows = self.conn.execute(statements.cancel(self.table, job_id)).all()
-        if old.status != "queued":
-            assert rows == [] and self.full_row(job_id) == before
-            return
+        job_id, old, rows = applied
         assert len(rows) == 1
         self.model[job_id] = replace(old, status="failed")
 

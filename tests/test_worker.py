@@ -212,6 +212,15 @@ def wait_idle(raw: Raw, worker: WorkerProcess, after: datetime | None = None) ->
     wait_until(idle, 30, "the worker to go idle")
 
 
+def start_idle_worker(start_worker: StartWorker, raw: Raw) -> tuple[WorkerProcess, dict[str, Any]]:
+    """A worker on a poll of 60 s, with its LISTEN connection up and asleep after
+    its first claim; returns it and its LISTEN session."""
+    worker = start_worker("--poll-interval", "60")
+    listen = wait_until(lambda: listen_session(raw, worker), 30, "the LISTEN connection")
+    wait_idle(raw, worker)
+    return worker, listen
+
+
 # --------------------------------------------------------------------------- throughput
 
 
@@ -528,9 +537,7 @@ def test_payload_not_matching_the_signature_fails_with_a_clear_error(
 def test_idle_worker_is_woken_by_notify_not_by_its_poll(
     engine: Engine, table: Table, raw: Raw, side: str, start_worker: StartWorker
 ) -> None:
-    worker = start_worker("--poll-interval", "60")
-    wait_until(lambda: listen_session(raw, worker), 30, "the LISTEN connection")
-    wait_idle(raw, worker)
+    start_idle_worker(start_worker, raw)
 
     job_id = enqueue(engine, table, "record")
     # The poll would take 60 s; only the notification explains this.
@@ -541,9 +548,7 @@ def test_idle_worker_is_woken_by_notify_not_by_its_poll(
 def test_idle_worker_sleeps_until_the_next_run_at_not_the_poll_interval(
     engine: Engine, table: Table, raw: Raw, side: str, start_worker: StartWorker
 ) -> None:
-    worker = start_worker("--poll-interval", "60")
-    wait_until(lambda: listen_session(raw, worker), 30, "the LISTEN connection")
-    wait_idle(raw, worker)
+    start_idle_worker(start_worker, raw)
 
     # One transaction: the ready job's NOTIFY wakes the worker; the delayed
     # job is announced by nobody, ever.
@@ -559,9 +564,7 @@ def test_idle_worker_sleeps_until_the_next_run_at_not_the_poll_interval(
 def test_killed_listen_connection_is_reestablished_and_notifications_still_wake(
     engine: Engine, table: Table, raw: Raw, side: str, start_worker: StartWorker
 ) -> None:
-    worker = start_worker("--poll-interval", "60")
-    old = wait_until(lambda: listen_session(raw, worker), 30, "the LISTEN connection")
-    wait_idle(raw, worker)
+    worker, old = start_idle_worker(start_worker, raw)
 
     raw.execute("SELECT pg_terminate_backend(%s)", (old["pid"],))
 

@@ -480,6 +480,25 @@ def terminate(url: str, pid: int) -> bool:
         return bool(conn.execute("SELECT pg_terminate_backend(%s)", (pid,)).fetchone()[0])
 
 
+def drop_role(conn: psycopg.Connection[Any], role: str, *, owned: bool = False) -> None:
+    """End the login role's sessions and drop it; with `owned`, first reassign what
+    it owns and drop its grants. DROP ROLE is retried while the terminated
+    backends are still on their way out."""
+    conn.execute(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s", (role,)
+    )
+    name = quote_ident(role)
+    if owned:
+        conn.execute(f"REASSIGN OWNED BY {name} TO CURRENT_USER".encode())
+        conn.execute(f"DROP OWNED BY {name}".encode())
+    for _ in range(50):
+        try:
+            conn.execute(f"DROP ROLE IF EXISTS {name}".encode())
+            return
+        except psycopg.errors.DependentObjectsStillInUse:
+            time.sleep(0.1)
+
+
 # ---------------------------------------------------------------------------
 # A throwaway PostgreSQL cluster (initdb/pg_ctl refuse root: run as postgres).
 

@@ -13,7 +13,15 @@ import pytest
 from sqla_jobq import client
 from sqla_jobq.db import conninfo, parse_url
 
-from .conftest import FaultQueue, WorkerProcess, Workers, backends, terminate, wait_until
+from .conftest import (
+    FaultQueue,
+    WorkerProcess,
+    Workers,
+    backends,
+    drop_role,
+    terminate,
+    wait_until,
+)
 
 pytestmark = pytest.mark.faults
 
@@ -107,15 +115,7 @@ def listen_role(database_url: str) -> Iterator[str]:
         conn.execute(f'CREATE ROLE "{role}" LOGIN'.encode())
     yield role
     with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s", (role,)
-        )
-        for _ in range(50):
-            try:
-                conn.execute(f'DROP ROLE IF EXISTS "{role}"'.encode())
-                break
-            except psycopg.errors.DependentObjectsStillInUse:
-                time.sleep(0.1)
+        drop_role(conn, role)
 
 
 def test_dropped_notification_fallback_poll(

@@ -26,7 +26,7 @@ from sqla_jobq.db import conninfo, parse_url
 from sqla_jobq.schema import Names, quote_ident
 from sqla_jobq.statements import InvalidJob, NewJob
 
-from .conftest import TESTS_DIR, FaultQueue, Workers, jobq_command, wait_until
+from .conftest import TESTS_DIR, FaultQueue, Workers, drop_role, jobq_command, wait_until
 
 SQLI = "'; DROP TABLE jobs; --"
 HOSTILE = [
@@ -306,17 +306,7 @@ def app_role(fq: FaultQueue) -> Iterator[str]:
             conn.execute(f"GRANT INSERT ON {archive} TO {role}".encode())
     yield role
     with fq.connect() as conn:
-        conn.execute(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s", (role,)
-        )
-        conn.execute(f"REASSIGN OWNED BY {role} TO CURRENT_USER".encode())
-        conn.execute(f"DROP OWNED BY {role}".encode())
-        for _ in range(50):
-            try:
-                conn.execute(f"DROP ROLE IF EXISTS {role}".encode())
-                break
-            except psycopg.errors.DependentObjectsStillInUse:
-                time.sleep(0.1)
+        drop_role(conn, role, owned=True)
 
 
 def worker_burst(workers: Workers, fq: FaultQueue, url: str) -> int:
