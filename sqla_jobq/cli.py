@@ -150,6 +150,30 @@ def migrate(database_url: DatabaseUrl = None, table: TableName = "jobs") -> None
     typer.echo(f"schema version {applied}")
 
 
+@app.command("alembic-revision")
+@friendly
+def alembic_revision(
+    version_path: Annotated[
+        str | None, typer.Option(help="The app's versions folder, one of its version locations.")
+    ] = None,
+    message: Annotated[
+        str | None, typer.Option("--message", "-m", help="The revision's message.")
+    ] = None,
+    config: Annotated[str, typer.Option(help="The app's Alembic config file.")] = "alembic.ini",
+) -> None:
+    """Write one revision in your app's Alembic chain: the queue schema this sqla_jobq needs."""
+    from .migrations.host import write_host_revision
+
+    done = write_host_revision(config, version_path, message)
+    if done.written:
+        typer.echo(
+            f"wrote {done.path}: sqla_jobq schema version {done.previous} -> {done.version}; "
+            "run `alembic upgrade head`"
+        )
+    else:
+        typer.echo(f"{done.path} already pins sqla_jobq schema version {done.version}: no change")
+
+
 @app.command()
 @friendly
 def enqueue(

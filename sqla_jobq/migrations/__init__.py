@@ -1,11 +1,13 @@
 """Schema migrations: Alembic revisions on the `sqla_jobq` branch, and helpers
 for host apps that run the queue's DDL from revisions of their own.
 
-Three ways in:
+Four ways in:
 
 * standalone: `alembic upgrade head` from this repository (or `jobq migrate`);
-* a host that already uses Alembic adds ``sqla_jobq:migrations/versions`` to its
-  `version_locations` (with ``path_separator = space``) and runs
+* a host that already uses Alembic gets one revision of its own calling
+  `upgrade(version=N)` per queue upgrade (`jobq alembic-revision`, `host.py`);
+* or it adds ``sqla_jobq:migrations/versions`` to its `version_locations`
+  (with ``path_separator = space``), starts a branch of its own, and runs
   `alembic upgrade heads`;
 * a host that wants another table name, a schema, or two queues calls
   `upgrade(version=..., name=..., schema=...)` from its own revision.
