@@ -479,6 +479,46 @@ def doctor_command(
     raise typer.Exit(report.exit_status)
 
 
+_DASHBOARD_EXTRA = {"starlette", "jinja2", "uvicorn", "multipart", "prometheus_client"}
+
+
+@app.command()
+@friendly
+def dashboard(
+    database_url: DatabaseUrl = None,
+    table: TableName = "jobs",
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=1, max=65535, help="Port to listen on.")] = 8090,
+    read_only: Annotated[bool, typer.Option("--read-only", help="No actions at all.")] = False,
+    auth_token: Annotated[
+        str | None,
+        typer.Option(
+            envvar="JOBQ_DASHBOARD_TOKEN",
+            help="Every request must show it (login form or bearer header).",
+            show_default=False,
+        ),
+    ] = None,
+) -> None:
+    """Serve the web dashboard: queues, jobs, retry and cancel, /metrics, /healthz."""
+    try:
+        from .dashboard.server import serve
+    except ModuleNotFoundError as exc:
+        if exc.name not in _DASHBOARD_EXTRA:
+            raise
+        raise UsageError(
+            "the dashboard needs its extra: pip install 'sqla_jobq[dashboard]'"
+        ) from None
+    serve(
+        require_url(database_url),
+        parse_table(table),
+        host=host,
+        port=port,
+        read_only=read_only,
+        auth_token=auth_token,
+        announce=typer.echo,
+    )
+
+
 @app.command()
 def bench(
     rounds: Annotated[int, typer.Option(min=1, help="Rounds per figure (the median).")] = 3,

@@ -571,15 +571,39 @@ def retry(table: Table, id: int) -> Update:
     return (
         update(table)
         .where(c.id == bindparam("id", id, type_=BigInteger), status_is(c.status, "failed"))
-        .values(
-            status=_status_literal("queued"),
-            run_at=func.now(),
-            max_attempts=func.greatest(c.max_attempts, c.attempts + 1),
-            locked_until=null(),
-            finished_at=null(),
-        )
+        .values(**_retried(table))
         .returning(c.id, c.attempts, c.max_attempts)
     )
+
+
+def retry_many(table: Table, ids: Sequence[int]) -> Update:
+    """`retry` for a batch of ids in one round trip; returns the ids retried.
+
+    Ids whose job is no longer failed (retried meanwhile, pruned) are skipped:
+    the status is re-checked on each row, as `retry` checks it.
+    """
+    c = table.c
+    return (
+        update(table)
+        .where(
+            c.id == any_(bindparam("ids", list(ids), type_=ARRAY(BigInteger))),
+            status_is(c.status, "failed"),
+        )
+        .values(**_retried(table))
+        .returning(c.id)
+    )
+
+
+def _retried(table: Table) -> dict[str, Any]:
+    """What a retry writes: queued now, one more attempt granted, `attempts` kept."""
+    c = table.c
+    return {
+        "status": _status_literal("queued"),
+        "run_at": func.now(),
+        "max_attempts": func.greatest(c.max_attempts, c.attempts + 1),
+        "locked_until": null(),
+        "finished_at": null(),
+    }
 
 
 def cancel(table: Table, id: int) -> Update:

@@ -1,0 +1,71 @@
+"""What an operator can change: retry a failed job, cancel a queued one, and
+retry every failed job matching a filter.
+
+Registered only when the dashboard is not read-only, so in read-only mode
+these paths do not exist (404/405) rather than refuse. Every change is a POST
+under ``/actions/`` carrying the CSRF token, and runs the package's own
+statement builders (`statements.retry`, `statements.cancel`,
+`statements.retry_many`), so the dashboard changes a job exactly as
+``jobq retry`` and ``jobq cancel`` do. Pausing a queue belongs here too once
+the schema has a place to record it.
+"""
+
+from __future__ import annotations
+
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import RedirectResponse, Response
+from starlette.routing import BaseRoute, Route
+
+from .context import Dashboard
+from .csrf import verified_form
+from .filters import JobFilter, number
+from .render import path_for
+
+
+def routes(dashboard: Dashboard) -> list[BaseRoute]:
+    store = dashboard.store
+
+    async def refuse(job_id: int, action: str) -> HTTPException:
+        row = await run_in_threadpool(store.job, job_id) if job_id < 2**63 else None
+        if row is None:
+            return HTTPException(404, f"no job {job_id} in {store.table.fullname}")
+        return HTTPException(409, f"job {job_id} is {row.status}: it cannot be {action}")
+
+    async def retry(request: Request) -> Response:
+        await verified_form(request)
+        job_id: int = request.path_params["job_id"]
+        if job_id >= 2**63 or not await run_in_threadpool(store.retry, job_id):
+            raise await refuse(job_id, "retried (only a failed job can)")
+        return RedirectResponse(path_for(request, "job", job_id=job_id), status_code=303)
+
+    async def cancel(request: Request) -> Response:
+        await verified_form(request)
+        job_id: int = request.path_params["job_id"]
+        if job_id >= 2**63 or not await run_in_threadpool(store.cancel, job_id):
+            raise await refuse(job_id, "cancelled")
+        return RedirectResponse(path_for(request, "job", job_id=job_id), status_code=303)
+
+    async def confirm_bulk_retry(request: Request) -> Response:
+        flt = JobFilter.from_params(request.query_params).failed()
+        count, upto = await run_in_threadpool(store.failed_summary, flt)
+        return dashboard.page(request, "confirm.html", filter=flt, count=count, upto=upto)
+
+    async def bulk_retry(request: Request) -> Response:
+        form = await verified_form(request)
+        fields = {key: value for key, value in form.items() if isinstance(value, str)}
+        flt = JobFilter.from_params(fields).failed()
+        upto = number("upto", fields.get("upto"))
+        expected = number("expected", fields.get("expected"))
+        retried = await run_in_threadpool(store.bulk_retry, flt, upto)
+        return dashboard.page(
+            request, "retried.html", filter=flt, count=retried, left=max(expected - retried, 0)
+        )
+
+    return [
+        Route("/bulk-retry", confirm_bulk_retry, methods=["GET"], name="confirm_bulk_retry"),
+        Route("/actions/jobs/{job_id:int}/retry", retry, methods=["POST"], name="retry"),
+        Route("/actions/jobs/{job_id:int}/cancel", cancel, methods=["POST"], name="cancel"),
+        Route("/actions/bulk-retry", bulk_retry, methods=["POST"], name="bulk_retry"),
+    ]
