@@ -91,7 +91,7 @@ def _raw_round(
         claimer.execute(claim_sql.sql, params).fetchall()
 
     def listen() -> None:
-        listener.execute(f"LISTEN {FLOOR_TABLE}")
+        listener.execute(f'LISTEN "public.{FLOOR_TABLE}"')  # the trigger's channel
         ready.set()
         for _ in listener.notifies():
             received.append(time.time())

@@ -18,13 +18,14 @@ from typing import Annotated, Any, TypeVar
 import typer
 from sqlalchemy import Engine, MetaData, Table, create_engine
 from sqlalchemy.engine import Connection
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.pool import NullPool
 
 from . import client, statements
 from .db import BadDatabaseURL, sqlalchemy_url
 from .errors import CONNECTION_ERRORS, USER_ERRORS, UsageError, describe_connection_error
 from .migrations import check_schema
-from .schema import jobs_table
+from .schema import jobs_table, names_of
 
 app = typer.Typer(
     add_completion=False,
@@ -307,8 +308,28 @@ def retry(
     table: TableName = "jobs",
 ) -> None:
     """A failed job back to queued now, with one more attempt (attempts is kept)."""
-    _one_job(
-        database_url, table, lambda t: statements.retry(t, job_id), f"no failed job {job_id}"
+    try:
+        _one_job(
+            database_url, table, lambda t: statements.retry(t, job_id), f"no failed job {job_id}"
+        )
+    except IntegrityError as exc:
+        raise _unique_key_held(database_url, parse_table(table), job_id, exc) from None
+
+
+def _unique_key_held(
+    database_url: str | None, target: Table, job_id: int, exc: IntegrityError
+) -> UsageError:
+    """The refusal of a retry whose unique_key an active job took meanwhile
+    (the failed statement changed nothing); any other integrity error is re-raised."""
+    diag = getattr(exc.orig, "diag", None)
+    if getattr(diag, "constraint_name", None) != names_of(target).unique_index:
+        raise exc
+    with checked(database_url, target) as conn:
+        holder = conn.execute(statements.unique_key_holder(target, job_id)).first()
+    who = "an active job" if holder is None else f"job {holder.id} ({holder.status})"
+    return UsageError(
+        f"job {job_id} not retried: {who} holds its unique_key; "
+        "retry it once that job has finished or been cancelled"
     )
 
 

@@ -32,7 +32,7 @@ UNIQUE_WHERE = "unique_key IS NOT NULL AND status IN ('queued', 'running')"
 # The schema version this code needs. The migrations record the version they
 # applied as the table's comment (as Oban does), so a worker can refuse to run
 # on a missing or outdated table, and a custom-named table carries its own.
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 # The version of the step that last changed the archive table's shape. Its
 # comment carries it, so a host's `include_object` recognises the archive too.
 ARCHIVE_VERSION = 2
@@ -66,12 +66,15 @@ class Names:
                     f"invalid queue table name {part!r}: use 1 to "
                     f"{MAX_IDENTIFIER_BYTES - 16} bytes and no NUL"
                 )
-        # pg_notify refuses a channel name over 63 bytes, which would fail every enqueue.
-        if len(self.channel.encode()) > MAX_IDENTIFIER_BYTES:
-            raise ValueError(
-                f"invalid queue table name {self.channel!r}: schema and table together "
-                f"(the NOTIFY channel) must fit in {MAX_IDENTIFIER_BYTES} bytes"
-            )
+        # pg_notify refuses a channel name over 63 bytes, which would fail every
+        # enqueue. Without a schema the server resolves it: check_schema checks.
+        if self.schema is not None:
+            channel = canonical_channel(self.schema, self.table)
+            if len(channel.encode()) > MAX_IDENTIFIER_BYTES:
+                raise ValueError(
+                    f"invalid queue table name {channel!r}: schema and table together "
+                    f"(the NOTIFY channel) must fit in {MAX_IDENTIFIER_BYTES} bytes"
+                )
 
     @property
     def qualified(self) -> str:
@@ -110,9 +113,24 @@ class Names:
         return f"{self.table}_notify"
 
     @property
-    def channel(self) -> str:
-        """NOTIFY channel: the table name, schema-qualified when a schema is given."""
+    def literal_channel(self) -> str:
+        """The channel schema versions 1 and 2 spelled into the INSERT trigger.
+
+        It followed the spelling of the table name, so a table migrated as
+        `public.jobs` and used as `jobs` sent where no worker listened. Only the
+        frozen steps (and the downgrade back to them) still use it; listeners
+        use the channel `check_schema` resolves (see `canonical_channel`).
+        """
         return self.table if self.schema is None else f"{self.schema}.{self.table}"
+
+    @property
+    def notify_requeue_function(self) -> str:
+        """Row trigger function announcing jobs put back to `queued` (schema version 3)."""
+        return f"{self.table}_notify_requeue"
+
+    @property
+    def notify_requeue_trigger(self) -> str:
+        return f"{self.table}_notify_requeue"
 
     @property
     def archive(self) -> str:
@@ -131,6 +149,13 @@ class Names:
     def archive_index(self) -> str:
         """Index on `archived_at`, so the archive can be pruned in turn."""
         return f"{self.table}_archived_at_idx"
+
+
+def canonical_channel(schema: str, table: str) -> str:
+    """The NOTIFY channel of a queue table, formatted exactly as its triggers
+    format it on the server (`TG_TABLE_SCHEMA || '.' || TG_TABLE_NAME`, schema
+    version 3): always schema-qualified, whatever spelling found the table."""
+    return f"{schema}.{table}"
 
 
 def quote_ident(name: str) -> str:

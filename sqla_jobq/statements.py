@@ -606,6 +606,17 @@ def _retried(table: Table) -> dict[str, Any]:
     }
 
 
+def unique_key_holder(table: Table, id: int) -> Select[Any]:
+    """The active job holding job `id`'s unique key, if any.
+
+    `retry` of a failed job whose key an active job took meanwhile violates
+    the unique index; this finds that job, so the refusal can name it.
+    """
+    c = table.c
+    key = select(c.unique_key).where(c.id == bindparam("id", id, type_=BigInteger))
+    return select(c.id, c.status).where(c.unique_key == key.scalar_subquery(), text(UNIQUE_WHERE))
+
+
 def cancel(table: Table, id: int) -> Update:
     """Take a queued job out of the queue as `failed` with `last_error = 'cancelled'`."""
     c = table.c

@@ -382,6 +382,22 @@ def test_retry_sends_a_failed_job_back_with_attempts_kept_and_one_more_allowed(
     assert rows(raw, table) == before
 
 
+def test_retry_of_a_job_whose_unique_key_an_active_job_holds_names_it_and_changes_nothing(
+    jobq: Jobq, engine: Engine, raw: Raw, table: Table
+) -> None:
+    with engine.begin() as conn:
+        failed_id = client.enqueue(conn, table, "t", {}, unique_key="report-7")
+    raw.execute(
+        f"UPDATE \"{table.name}\" SET status = 'failed', finished_at = now() WHERE id = %s",
+        (failed_id,),
+    )
+    with engine.begin() as conn:
+        holder_id = client.enqueue(conn, table, "t", {}, unique_key="report-7")
+    before = rows(raw, table)
+    refused(jobq("retry", str(failed_id)), f"job {failed_id} not retried", f"job {holder_id}")
+    assert rows(raw, table) == before
+
+
 def test_cancel_fails_a_queued_job_as_cancelled(
     jobq: Jobq, engine: Engine, raw: Raw, table: Table
 ) -> None:

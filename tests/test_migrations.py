@@ -133,8 +133,8 @@ def test_standalone_upgrade_creates_the_queue_and_downgrade_removes_all_of_it(
     alembic(REPO_ROOT, "upgrade", "head", url=fresh_db)
     after = catalog(fresh_db)
     assert after.relations >= QUEUE_V1_RELATIONS | ALEMBIC_RELATIONS
-    assert after.functions == {"jobs_notify"}
-    assert after.triggers == {"jobs_notify"}
+    assert after.functions == {"jobs_notify", "jobs_notify_requeue"}
+    assert after.triggers == {"jobs_notify", "jobs_notify_requeue"}
     assert parse_version_comment(table_comment(fresh_db, "jobs")) == LATEST
 
     alembic(REPO_ROOT, "downgrade", "base", url=fresh_db)
@@ -142,6 +142,58 @@ def test_standalone_upgrade_creates_the_queue_and_downgrade_removes_all_of_it(
     assert gone.relations == ALEMBIC_RELATIONS
     assert gone.functions == set()
     assert gone.triggers == set()
+
+
+@dataclass
+class Notifying:
+    """The source of every function and the definition of every trigger, by name."""
+
+    functions: dict[str, str]
+    triggers: dict[str, str]
+
+
+def notifying(url: str) -> Notifying:
+    with psycopg.connect(conninfo(url), autocommit=True) as conn:
+        functions = conn.execute(
+            "SELECT p.proname, p.prosrc FROM pg_proc p "
+            "JOIN pg_namespace n ON n.oid = p.pronamespace WHERE n.nspname = 'public'"
+        )
+        triggers = conn.execute(
+            "SELECT tgname, pg_get_triggerdef(oid) FROM pg_trigger WHERE NOT tgisinternal"
+        )
+        return Notifying(dict(functions.fetchall()), dict(triggers.fetchall()))
+
+
+def heard(url: str, channel: str) -> list[tuple[str, str]]:
+    """What a listener on `channel` hears of one job enqueued into `jobs`."""
+    with psycopg.connect(conninfo(url), autocommit=True) as listener:
+        listener.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+        with psycopg.connect(conninfo(url), autocommit=True) as producer:
+            producer.execute("INSERT INTO jobs (payload) VALUES ('{}')")
+        return [(n.channel, n.payload) for n in listener.notifies(timeout=5, stop_after=1)]
+
+
+def test_step_3_down_restores_step_2_exactly_and_up_again_restores_step_3(fresh_db: str) -> None:
+    alembic(REPO_ROOT, "upgrade", "sqla_jobq_0002", url=fresh_db)
+    v2 = notifying(fresh_db)
+    assert set(v2.triggers) == {"jobs_notify"}
+    assert heard(fresh_db, "jobs") == [("jobs", "default")]
+
+    alembic(REPO_ROOT, "upgrade", "sqla_jobq_0003", url=fresh_db)
+    v3 = notifying(fresh_db)
+    assert set(v3.triggers) == {"jobs_notify", "jobs_notify_requeue"}
+    assert v3.functions["jobs_notify"] != v2.functions["jobs_notify"]
+    assert table_comment(fresh_db, "jobs") == "sqla_jobq schema version 3"
+    assert heard(fresh_db, "public.jobs") == [("public.jobs", "default")]
+
+    alembic(REPO_ROOT, "downgrade", "sqla_jobq_0002", url=fresh_db)
+    assert notifying(fresh_db) == v2
+    assert table_comment(fresh_db, "jobs") == "sqla_jobq schema version 2"
+    assert heard(fresh_db, "jobs") == [("jobs", "default")]
+
+    alembic(REPO_ROOT, "upgrade", "sqla_jobq_0003", url=fresh_db)
+    assert notifying(fresh_db) == v3
+    assert table_comment(fresh_db, "jobs") == "sqla_jobq schema version 3"
 
 
 # --- b) a host app with its own Alembic project -----------------------------------

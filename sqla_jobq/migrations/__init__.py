@@ -15,13 +15,20 @@ Four ways in:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from alembic import op
 from sqlalchemy import Table, text
 from sqlalchemy.engine import Connection
 
-from ..schema import Names, parse_version_comment, quote_ident
+from ..schema import (
+    MAX_IDENTIFIER_BYTES,
+    Names,
+    canonical_channel,
+    parse_version_comment,
+    quote_ident,
+)
 from .steps import LATEST, down_statements, up_statements
 
 __all__ = [
@@ -30,13 +37,14 @@ __all__ = [
     "check_schema",
     "downgrade",
     "include_object",
+    "missing_triggers",
     "schema_version",
     "upgrade",
 ]
 
 
 class SchemaError(RuntimeError):
-    """The queue table is missing or older than this code needs."""
+    """The queue table is missing, older than this code needs, or has lost its triggers."""
 
 
 def schema_version(conn: Connection, names: Names) -> int:
@@ -55,25 +63,80 @@ def schema_version(conn: Connection, names: Names) -> int:
     return parse_version_comment(comment) or 0
 
 
-def check_schema(conn: Connection, table: Table) -> None:
-    """Refuse to work on a missing or outdated queue table, naming the fix."""
+@dataclass(frozen=True)
+class _Found:
+    """A queue table as the server resolved its name."""
+
+    schema: str
+    table: str
+    version: int
+    triggers: frozenset[str]
+
+
+_FIND = text(
+    "SELECT n.nspname, c.relname, obj_description(c.oid, 'pg_class'), "
+    "ARRAY(SELECT t.tgname::text FROM pg_trigger t WHERE t.tgrelid = c.oid "
+    "AND NOT t.tgisinternal AND t.tgenabled <> 'D') "
+    "FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+    "WHERE c.oid = to_regclass(:qualified)"
+)
+
+
+def _find(conn: Connection, names: Names) -> _Found | None:
+    row = conn.execute(_FIND, {"qualified": names.qualified}).first()
+    if row is None:
+        return None
+    return _Found(row[0], row[1], parse_version_comment(row[2]) or 0, frozenset(row[3]))
+
+
+def _missing(names: Names, found: _Found | None) -> list[str]:
+    wanted = [names.notify_trigger, names.notify_requeue_trigger]
+    return wanted if found is None else [t for t in wanted if t not in found.triggers]
+
+
+def missing_triggers(conn: Connection, names: Names) -> list[str]:
+    """The latest schema's NOTIFY triggers that the table lacks or has disabled."""
+    return _missing(names, _find(conn, names))
+
+
+def check_schema(conn: Connection, table: Table) -> str:
+    """Refuse a missing, outdated or silent queue table, naming the fix; else
+    return the NOTIFY channel its triggers send on.
+
+    The channel comes from the server's own resolution of the name (through
+    `search_path` when the table has no schema), so a worker that LISTENs on
+    it hears the triggers however the table's name was spelled.
+    """
     names = Names(table.name, table.schema)
-    version = schema_version(conn, names)
-    # Version 0 is also what a table without our comment reads as: say
-    # "does not exist" only when it truly does not.
-    exists = conn.execute(
-        text("SELECT to_regclass(:qualified) IS NOT NULL"), {"qualified": names.qualified}
-    ).scalar()
-    if not exists:
+    found = _find(conn, names)
+    if found is None:
         raise SchemaError(
             f"the queue table {names.qualified} does not exist in this database: "
             "run `jobq migrate` (or `alembic upgrade head`) first"
         )
-    if version < LATEST:
+    if found.version < LATEST:
         raise SchemaError(
-            f"the queue table {names.qualified} is at schema version {version}, this "
+            f"the queue table {names.qualified} is at schema version {found.version}, this "
             f"sqla_jobq needs {LATEST}: run `jobq migrate` (or `alembic upgrade heads`)"
         )
+    missing = _missing(names, found)
+    if missing:
+        raise SchemaError(
+            f"the queue table {names.qualified} has lost its NOTIFY trigger(s) "
+            f"{', '.join(map(quote_ident, missing))} (dropped or disabled), so workers would "
+            "see new jobs only at their fallback poll: run `jobq migrate` to re-create them"
+        )
+    return _channel(found)
+
+
+def _channel(found: _Found) -> str:
+    channel = canonical_channel(found.schema, found.table)
+    if len(channel.encode()) > MAX_IDENTIFIER_BYTES:
+        raise SchemaError(
+            f"the queue table's NOTIFY channel {channel!r} is over {MAX_IDENTIFIER_BYTES} "
+            "bytes, which pg_notify refuses: use a shorter schema or table name"
+        )
+    return channel
 
 
 def upgrade(version: int = LATEST, *, name: str = "jobs", schema: str | None = None) -> None:

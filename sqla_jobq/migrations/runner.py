@@ -8,8 +8,8 @@ from sqlalchemy import Connection, Engine, Table, create_engine, text
 from sqlalchemy.pool import NullPool
 
 from ..schema import Names, quote_ident
-from . import SchemaError, schema_version
-from .steps import LATEST, up_statements
+from . import SchemaError, missing_triggers, schema_version
+from .steps import LATEST, repair_statements, up_statements
 
 
 def alembic_config(url: str) -> Config:
@@ -28,21 +28,34 @@ MIGRATION_LOCK = 0x6A6F6271  # "jobq"
 
 def migrate_to_latest(url: str, table: Table) -> int:
     """The default table goes through Alembic (so `alembic_version` agrees);
-    a custom-named one gets the same steps directly. A table already current
-    is left alone without taking the lock."""
+    a custom-named one gets the same steps directly. A current table whose
+    NOTIFY triggers were dropped or disabled gets them back; a table already
+    current and whole is left alone without taking the lock."""
     names = Names(table.name, table.schema)
     engine = create_engine(url, poolclass=NullPool)
     try:
         with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as lock:
-            if schema_version(lock, names) >= LATEST:
+            if _whole(lock, names):
                 return LATEST
             _refuse_foreign_table(lock, names)
             lock.execute(text("SELECT pg_advisory_lock(:key)"), {"key": MIGRATION_LOCK})
             if schema_version(lock, names) < LATEST:
                 _upgrade(engine, url, names)
+            if missing_triggers(lock, names):
+                _repair(engine, names)
     finally:
         engine.dispose()
     return LATEST
+
+
+def _whole(conn: Connection, names: Names) -> bool:
+    return schema_version(conn, names) >= LATEST and not missing_triggers(conn, names)
+
+
+def _repair(engine: Engine, names: Names) -> None:
+    with engine.begin() as conn:
+        for sql in repair_statements(names):
+            conn.execute(text(sql))
 
 
 def _upgrade(engine: Engine, url: str, names: Names) -> None:

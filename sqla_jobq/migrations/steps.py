@@ -24,18 +24,34 @@ class Step:
     down: Callable[[Names], list[str]]
 
 
+def _function(function: str, body: str, *, replace: bool = False) -> str:
+    """A trigger function whose body is a plain string literal.
+
+    A dollar-quoted body with a fixed tag (`$jobq$`, as steps 1 and 2 were
+    first released) broke on a table name containing that tag. Quoting the
+    body as a literal cannot be broken by any name, and PostgreSQL stores the
+    same source either way: the function is byte-identical to the one the
+    dollar-quoted statement made, for every name that statement accepted.
+    """
+    create = "CREATE OR REPLACE FUNCTION" if replace else "CREATE FUNCTION"
+    return f"{create} {function}() RETURNS trigger LANGUAGE plpgsql AS {quote_literal(body)}"
+
+
+def _v1_notify_body(n: Names) -> str:
+    return f"""
+BEGIN
+  PERFORM pg_notify({quote_literal(n.literal_channel)}, inserted.queue)
+  FROM (SELECT DISTINCT queue FROM new_jobs) AS inserted;
+  RETURN NULL;
+END;
+"""
+
+
 def _v1_up(n: Names) -> list[str]:
     # The trigger announces scheduled jobs too: an idle worker sleeps until the
     # earliest run_at it knows of, and a new, earlier one must shorten that.
     table = n.qualified
     function = qualify(n.schema, n.notify_function)
-    body = f"""
-BEGIN
-  PERFORM pg_notify({quote_literal(n.channel)}, inserted.queue)
-  FROM (SELECT DISTINCT queue FROM new_jobs) AS inserted;
-  RETURN NULL;
-END;
-"""
     return [
         f"""CREATE TABLE {table} (
   id           bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
@@ -64,10 +80,17 @@ END;
         "WHERE status = 'running'",
         f"CREATE UNIQUE INDEX {quote_ident(n.unique_index)} ON {table} (unique_key) "
         f"WHERE {UNIQUE_WHERE}",
-        f"CREATE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql AS $jobq${body}$jobq$",
-        f"CREATE TRIGGER {quote_ident(n.notify_trigger)} AFTER INSERT ON {table} "
-        f"REFERENCING NEW TABLE AS new_jobs FOR EACH STATEMENT EXECUTE FUNCTION {function}()",
+        _function(function, _v1_notify_body(n)),
+        _insert_trigger(n),
     ]
+
+
+def _insert_trigger(n: Names) -> str:
+    return (
+        f"CREATE TRIGGER {quote_ident(n.notify_trigger)} AFTER INSERT ON {n.qualified} "
+        "REFERENCING NEW TABLE AS new_jobs FOR EACH STATEMENT "
+        f"EXECUTE FUNCTION {qualify(n.schema, n.notify_function)}()"
+    )
 
 
 def _v1_down(n: Names) -> list[str]:
@@ -107,6 +130,73 @@ def _v2_down(n: Names) -> list[str]:
     return [f"DROP TABLE {n.archive_qualified}"]
 
 
+# The server names the channel after the table that fired, so it cannot depend
+# on how a caller spelled the name; `schema.canonical_channel` formats the same.
+_CHANNEL = "TG_TABLE_SCHEMA || '.' || TG_TABLE_NAME"
+
+_V3_NOTIFY_BODY = f"""
+BEGIN
+  PERFORM pg_notify({_CHANNEL}, inserted.queue)
+  FROM (SELECT DISTINCT queue FROM new_jobs) AS inserted;
+  RETURN NULL;
+END;
+"""
+
+_V3_REQUEUE_BODY = f"""
+BEGIN
+  PERFORM pg_notify({_CHANNEL}, NEW.queue);
+  RETURN NULL;
+END;
+"""
+
+
+def _requeue_trigger(n: Names) -> str:
+    # Claims, completions and lease extensions fail the WHEN (extensions do not
+    # even SET status), so the hot path never calls plpgsql. PostgreSQL folds
+    # identical notifications of a transaction: a reap of many rows sends one
+    # per queue.
+    return (
+        f"CREATE TRIGGER {quote_ident(n.notify_requeue_trigger)} "
+        f"AFTER UPDATE OF status ON {n.qualified} FOR EACH ROW "
+        "WHEN (NEW.status = 'queued' AND OLD.status IS DISTINCT FROM 'queued') "
+        f"EXECUTE FUNCTION {qualify(n.schema, n.notify_requeue_function)}()"
+    )
+
+
+def _v3_up(n: Names) -> list[str]:
+    return [
+        _function(qualify(n.schema, n.notify_function), _V3_NOTIFY_BODY, replace=True),
+        _function(qualify(n.schema, n.notify_requeue_function), _V3_REQUEUE_BODY),
+        _requeue_trigger(n),
+    ]
+
+
+def _v3_down(n: Names) -> list[str]:
+    return [
+        f"DROP TRIGGER {quote_ident(n.notify_requeue_trigger)} ON {n.qualified}",
+        f"DROP FUNCTION {qualify(n.schema, n.notify_requeue_function)}()",
+        _function(qualify(n.schema, n.notify_function), _v1_notify_body(n), replace=True),
+    ]
+
+
+def repair_statements(n: Names) -> list[str]:
+    """The NOTIFY functions and triggers as the latest step leaves them, re-created.
+
+    A current table whose triggers were dropped or disabled makes every job
+    wait for the workers' fallback poll; `jobq migrate` runs these on it. They
+    change no schema version, so they are not a step.
+    """
+    table = n.qualified
+    return [
+        _function(qualify(n.schema, n.notify_function), _V3_NOTIFY_BODY, replace=True),
+        _function(qualify(n.schema, n.notify_requeue_function), _V3_REQUEUE_BODY, replace=True),
+        f"DROP TRIGGER IF EXISTS {quote_ident(n.notify_trigger)} ON {table}",
+        _insert_trigger(n),
+        f"DROP TRIGGER IF EXISTS {quote_ident(n.notify_requeue_trigger)} ON {table}",
+        _requeue_trigger(n),
+    ]
+
+
 STEPS: tuple[Step, ...] = (
     Step(
         1,
@@ -122,6 +212,14 @@ STEPS: tuple[Step, ...] = (
         "jobs so the hot table stays small without losing history",
         _v2_up,
         _v2_down,
+    ),
+    Step(
+        3,
+        "one canonical NOTIFY channel, `schema.table` as the server resolves it, and "
+        "announcements of jobs put back to queued by an UPDATE (release, reap, retry, a "
+        "failure to be retried) from a row trigger the hot path passes with its WHEN alone",
+        _v3_up,
+        _v3_down,
     ),
 )
 
