@@ -541,6 +541,28 @@ def dashboard(
 
 
 @app.command()
+@friendly
+def cron(
+    app_spec: Annotated[str, typer.Argument(metavar="MODULE:ATTR", help="The tasks' Registry.")],
+    database_url: DatabaseUrl = None,
+    as_json: AsJson = False,
+) -> None:
+    """Periodic tasks: each schedule, its last and next fire times, and its last job."""
+    from datetime import UTC, datetime
+
+    from .registry import load_registry
+    from .schedule_report import collect, render_text, to_json
+
+    registry = load_registry(app_spec)
+    if not registry.schedules:
+        typer.echo("[]" if as_json else f"{app_spec} declares no periodic tasks")
+        return
+    with checked(database_url, registry.table) as conn:
+        states = collect(conn, registry, datetime.now(UTC))
+    typer.echo(json.dumps(to_json(states)) if as_json else render_text(states))
+
+
+@app.command()
 def bench(
     rounds: Annotated[int, typer.Option(min=1, help="Rounds per figure (the median).")] = 3,
     quick: Annotated[bool, typer.Option(help="Smoke run with small sizes.")] = False,

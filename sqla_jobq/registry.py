@@ -18,7 +18,7 @@ from typing import Any, Generic, ParamSpec, TypeVar, overload
 from sqlalchemy import Table
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
-from . import client
+from . import client, periodic
 from .statements import DEFAULT_LEASE, InvalidJob, NewJob
 
 P = ParamSpec("P")
@@ -205,6 +205,8 @@ class Registry:
             table = jobs
         self.table = table
         self.tasks: dict[str, Task[Any, Any]] = {}
+        # Periodic tasks' schedules, by task name (see `sqla_jobq.scheduler`).
+        self.schedules: dict[str, periodic.Schedule] = {}
 
     @overload
     def task(self, fn: Callable[P, R]) -> Task[P, R]: ...
@@ -219,6 +221,11 @@ class Registry:
         max_attempts: int = ...,
         lease: timedelta = ...,
         priority: int = ...,
+        cron: str | None = ...,
+        every: timedelta | None = ...,
+        timezone: str | None = ...,
+        payload: Mapping[str, Any] | None = ...,
+        catch_up: timedelta | float | None = ...,
     ) -> Callable[[Callable[P, R]], Task[P, R]]: ...
 
     def task(
@@ -230,8 +237,18 @@ class Registry:
         max_attempts: int = 5,
         lease: timedelta = DEFAULT_LEASE,
         priority: int = 0,
+        cron: str | None = None,
+        every: timedelta | None = None,
+        timezone: str | None = None,
+        payload: Mapping[str, Any] | None = None,
+        catch_up: timedelta | float | None = None,
     ) -> Task[P, R] | Callable[[Callable[P, R]], Task[P, R]]:
-        """Register a sync or `async def` function; usable bare or with options."""
+        """Register a sync or `async def` function; usable bare or with options.
+
+        With `cron=` (5 fields, in UTC unless `timezone=`) or `every=`, the task
+        is also periodic: workers enqueue it once per fire time, with `payload`
+        as its keyword arguments (see `sqla_jobq.periodic` for `catch_up=`).
+        """
 
         def register(f: Callable[P, R]) -> Task[P, R]:
             task_name = name or f"{f.__module__}.{f.__qualname__}"
@@ -254,7 +271,17 @@ class Registry:
                 priority=priority,
                 table=self.table,
             )
+            schedule = periodic.declare(
+                registered,
+                cron=cron,
+                every=every,
+                timezone=timezone,
+                payload=payload,
+                catch_up=catch_up,
+            )
             self.tasks[task_name] = registered
+            if schedule is not None:
+                self.schedules[task_name] = schedule
             return registered
 
         return register if fn is None else register(fn)
@@ -317,6 +344,8 @@ def load_registry(spec: str) -> Registry:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise UsageError(f"cannot import module {module_name!r}: {exc}") from None
+    except periodic.InvalidSchedule as exc:
+        raise UsageError(f"cannot load {spec}: {exc}") from None
     found = getattr(module, attr, None)
     if not isinstance(found, Registry):
         what = "nothing" if found is None else type(found).__name__

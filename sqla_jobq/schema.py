@@ -18,6 +18,7 @@ from sqlalchemy import (
     Index,
     Integer,
     MetaData,
+    PrimaryKeyConstraint,
     Table,
     Text,
     func,
@@ -32,10 +33,12 @@ UNIQUE_WHERE = "unique_key IS NOT NULL AND status IN ('queued', 'running')"
 # The schema version this code needs. The migrations record the version they
 # applied as the table's comment (as Oban does), so a worker can refuse to run
 # on a missing or outdated table, and a custom-named table carries its own.
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 # The version of the step that last changed the archive table's shape. Its
 # comment carries it, so a host's `include_object` recognises the archive too.
-ARCHIVE_VERSION = 2
+ARCHIVE_VERSION = 4
+# The same for the periodic tasks' schedules table.
+SCHEDULES_VERSION = 4
 _COMMENT_PREFIX = "sqla_jobq schema version "
 
 
@@ -150,6 +153,19 @@ class Names:
         """Index on `archived_at`, so the archive can be pruned in turn."""
         return f"{self.table}_archived_at_idx"
 
+    @property
+    def schedules(self) -> str:
+        """One row per periodic task: its last fire time (schema version 4)."""
+        return f"{self.table}_schedules"
+
+    @property
+    def schedules_qualified(self) -> str:
+        return qualify(self.schema, self.schedules)
+
+    @property
+    def schedules_pkey(self) -> str:
+        return f"{self.table}_schedules_pkey"
+
 
 def canonical_channel(schema: str, table: str) -> str:
     """The NOTIFY channel of a queue table, formatted exactly as its triggers
@@ -202,6 +218,7 @@ def jobs_table(metadata: MetaData, name: str = "jobs", schema: str | None = None
         Column("unique_key", Text),
         Column("started_at", TIMESTAMP(timezone=True)),
         Column("finished_at", TIMESTAMP(timezone=True)),
+        Column("scheduled_for", TIMESTAMP(timezone=True)),
         CheckConstraint(f"status IN ({status_in})", name=names.status_check),
         Index(
             names.ready_index,
@@ -258,4 +275,26 @@ def archive_table(metadata: MetaData, name: str = "jobs", schema: str | None = N
         Index(names.archive_index, "archived_at"),
         schema=schema,
         comment=version_comment(ARCHIVE_VERSION),
+    )
+
+
+def schedules_table(metadata: MetaData, name: str = "jobs", schema: str | None = None) -> Table:
+    """Build the schedules table of the jobs table `name`: `<name>_schedules`.
+
+    A periodic task's row holds its last fire time. Enqueueing a fire first
+    moves `last_fire` forward, and only a statement that moved it inserts the
+    job, so a fire time is enqueued once however many workers race for it,
+    and never again after its job has finished and left the jobs table.
+    """
+    names = Names(name, schema)
+    return Table(
+        names.schedules,
+        metadata,
+        Column("name", Text),
+        Column("last_fire", TIMESTAMP(timezone=True), nullable=False),
+        Column("last_job_id", BigInteger),
+        Column("updated_at", TIMESTAMP(timezone=True), nullable=False, server_default=func.now()),
+        PrimaryKeyConstraint("name", name=names.schedules_pkey),
+        schema=schema,
+        comment=version_comment(SCHEDULES_VERSION),
     )

@@ -197,6 +197,33 @@ def repair_statements(n: Names) -> list[str]:
     ]
 
 
+def _v4_up(n: Names) -> list[str]:
+    # The archive copies whole rows by column name, so it takes the new column too.
+    schedules = n.schedules_qualified
+    return [
+        f"""CREATE TABLE {schedules} (
+  name        text        CONSTRAINT {quote_ident(n.schedules_pkey)} PRIMARY KEY,
+  last_fire   timestamptz NOT NULL,
+  last_job_id bigint,
+  updated_at  timestamptz NOT NULL DEFAULT now()
+)""",
+        f"COMMENT ON TABLE {schedules} IS {quote_literal(version_comment(4))}",
+        f"ALTER TABLE {n.qualified} ADD COLUMN scheduled_for timestamptz",
+        f"ALTER TABLE {n.archive_qualified} ADD COLUMN scheduled_for timestamptz",
+        f"COMMENT ON TABLE {n.archive_qualified} IS {quote_literal(version_comment(4))}",
+    ]
+
+
+def _v4_down(n: Names) -> list[str]:
+    # IF EXISTS: an archive dropped and re-created by step 2 alone lacks the column.
+    return [
+        f"ALTER TABLE {n.archive_qualified} DROP COLUMN IF EXISTS scheduled_for",
+        f"COMMENT ON TABLE {n.archive_qualified} IS {quote_literal(version_comment(2))}",
+        f"ALTER TABLE {n.qualified} DROP COLUMN scheduled_for",
+        f"DROP TABLE {n.schedules_qualified}",
+    ]
+
+
 STEPS: tuple[Step, ...] = (
     Step(
         1,
@@ -220,6 +247,14 @@ STEPS: tuple[Step, ...] = (
         "failure to be retried) from a row trigger the hot path passes with its WHEN alone",
         _v3_up,
         _v3_down,
+    ),
+    Step(
+        4,
+        "periodic tasks: the schedules table `<name>_schedules` (one row per schedule, "
+        "its last fire time, so each fire time is enqueued once across all workers) and "
+        "the nullable `scheduled_for` column, the fire time, on the jobs and archive tables",
+        _v4_up,
+        _v4_down,
     ),
 )
 
