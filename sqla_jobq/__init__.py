@@ -7,6 +7,7 @@ from .schema import jobs_table
 metadata = MetaData()
 jobs = jobs_table(metadata)
 
-from .registry import Job, Registry, Task, current_job  # noqa: E402
+from .job import Job, current_job  # noqa: E402
+from .registry import Registry, Task  # noqa: E402
 
 __all__ = ["Job", "Registry", "Task", "current_job", "jobs", "jobs_table", "metadata"]

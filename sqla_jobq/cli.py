@@ -406,6 +406,16 @@ def worker(
             "(about 10 ms of work); 0: off.",
         ),
     ] = 64,
+    reconnect: Annotated[
+        str | None,
+        typer.Option(
+            envvar="JOBQ_RECONNECT",
+            help="eager: reopen a lost connection at once; lazy: at the next poll, so a "
+            "suspended serverless compute stays asleep [default: lazy when --poll-interval "
+            "is 60 or more, else eager].",
+            show_default=False,
+        ),
+    ] = None,
     log_level: Annotated[
         str, typer.Option(envvar="JOBQ_LOG_LEVEL", help="DEBUG, INFO, WARNING.")
     ] = "INFO",
@@ -437,16 +447,11 @@ def worker(
             prune_older_than=parse_duration(prune_older_than) if prune_older_than else None,
             prune_interval=prune_interval,
             prefetch=prefetch,
+            reconnect=reconnect,
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     registry = load_registry(app_spec)
-    engine = make_engine(options.database_url)
-    try:
-        with engine.connect() as conn:
-            check_schema(conn, registry.table)
-    finally:
-        engine.dispose()
     code = asyncio.run(Worker(registry, options).run())
     logging.shutdown()
     if threading.active_count() > 1:
@@ -500,6 +505,28 @@ def doctor_command(
     raise typer.Exit(report.exit_status)
 
 
+@app.command()
+@friendly
+def cron(
+    app_spec: Annotated[str, typer.Argument(metavar="MODULE:ATTR", help="The tasks' Registry.")],
+    database_url: DatabaseUrl = None,
+    as_json: AsJson = False,
+) -> None:
+    """Periodic tasks: each schedule, its last and next fire times, and its last job."""
+    from datetime import UTC, datetime
+
+    from .registry import load_registry
+    from .schedule_report import collect, render_text, to_json
+
+    registry = load_registry(app_spec)
+    if not registry.schedules:
+        typer.echo("[]" if as_json else f"{app_spec} declares no periodic tasks")
+        return
+    with checked(database_url, registry.table) as conn:
+        states = collect(conn, registry, datetime.now(UTC))
+    typer.echo(json.dumps(to_json(states)) if as_json else render_text(states))
+
+
 _DASHBOARD_EXTRA = {"starlette", "jinja2", "uvicorn", "multipart", "prometheus_client"}
 
 
@@ -538,28 +565,6 @@ def dashboard(
         auth_token=auth_token,
         announce=typer.echo,
     )
-
-
-@app.command()
-@friendly
-def cron(
-    app_spec: Annotated[str, typer.Argument(metavar="MODULE:ATTR", help="The tasks' Registry.")],
-    database_url: DatabaseUrl = None,
-    as_json: AsJson = False,
-) -> None:
-    """Periodic tasks: each schedule, its last and next fire times, and its last job."""
-    from datetime import UTC, datetime
-
-    from .registry import load_registry
-    from .schedule_report import collect, render_text, to_json
-
-    registry = load_registry(app_spec)
-    if not registry.schedules:
-        typer.echo("[]" if as_json else f"{app_spec} declares no periodic tasks")
-        return
-    with checked(database_url, registry.table) as conn:
-        states = collect(conn, registry, datetime.now(UTC))
-    typer.echo(json.dumps(to_json(states)) if as_json else render_text(states))
 
 
 @app.command()

@@ -1,8 +1,13 @@
-"""Database URLs and connections: one place that turns what a user typed into
-a SQLAlchemy URL or a psycopg conninfo, and connection failures into one line.
+"""Database URLs and worker sessions: one place that turns what a user typed
+into a SQLAlchemy URL or a psycopg conninfo, and that says how every worker
+session is configured.
 """
 
 from __future__ import annotations
+
+import os
+import socket
+from typing import Any
 
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError
@@ -37,3 +42,37 @@ def sqlalchemy_url(url: str) -> str:
 def conninfo(url: str) -> str:
     """The same URL as a libpq conninfo string for a raw psycopg connection."""
     return parse_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+# Nothing of ours may hold VACUUM back: a session left idle in a transaction
+# (a bug, or a debugger) is ended by the server after a minute.
+IDLE_IN_TRANSACTION_TIMEOUT_MS = 60_000
+# No worker statement may wait long on a row lock another session holds: the
+# batch statements skip locked rows, and a single-row one (a failure) gives up
+# after this and is retried later.
+LOCK_TIMEOUT_MS = 2_000
+
+
+def worker_name() -> str:
+    """`application_name` for our sessions, so `jobq doctor` can tell them apart."""
+    return f"jobq worker {socket.gethostname()}:{os.getpid()}"[:63]
+
+
+def connect_kwargs(prepared: bool) -> dict[str, Any]:
+    """psycopg connection options shared by every worker session."""
+    options = (
+        f"-c idle_in_transaction_session_timeout={IDLE_IN_TRANSACTION_TIMEOUT_MS} "
+        f"-c lock_timeout={LOCK_TIMEOUT_MS}"
+    )
+    return {
+        "autocommit": True,
+        "application_name": worker_name(),
+        "options": options,
+        # Behind a transaction-mode pooler that does not track prepared
+        # statements (PgBouncer < 1.21), server-side preparation must be off.
+        "prepare_threshold": 0 if prepared else None,
+        "keepalives": 1,
+        "keepalives_idle": 30,
+        "keepalives_interval": 10,
+        "keepalives_count": 3,
+    }

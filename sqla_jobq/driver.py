@@ -1,37 +1,46 @@
-"""The worker's hot path: the statements, compiled once, on raw psycopg.
+"""The worker's statements, compiled once, on raw psycopg (internal).
 
 The worker runs the same Core statements an app imports, but compiles each
 once and executes it on an autocommit psycopg connection: a claim or a fenced
 completion is a single atomic statement, so wrapping it in BEGIN/COMMIT would
 only add two round trips, and compiling it per call would only add CPU. A lost
-connection is dropped and reopened on the next call.
+connection is dropped and reopened on the next call, never before: a worker
+that has nothing to say to the database opens nothing (a suspended serverless
+compute stays asleep).
+
+Each `Driver` is one connection with one job; the worker keeps three (claims,
+outcomes, leases) so that none of them can stall another.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import psycopg
-from psycopg.rows import tuple_row
+from psycopg.rows import dict_row
+from psycopg.types.json import set_json_loads
 from sqlalchemy import ClauseElement, Table
 from sqlalchemy.dialects.postgresql import psycopg as pg_psycopg
 
 from . import statements
-from .db import conninfo
-from .registry import Job
+from .db import connect_kwargs, conninfo
 
 log = logging.getLogger("sqla_jobq.driver")
 
 _DIALECT = pg_psycopg.dialect()  # type: ignore[no-untyped-call]
-# Nothing of ours may hold VACUUM back: a session left idle in a transaction
-# (a bug, or a debugger) is ended by the server after a minute.
-IDLE_IN_TRANSACTION_TIMEOUT_MS = 60_000
+
+Key = tuple[int, int]
+Row = dict[str, Any]
+
+
+def _raw_json(data: str | bytes) -> str:
+    """Keep jsonb as text: payloads are decoded per job, inside that job's
+    error boundary, so one payload Python cannot decode fails alone."""
+    return data.decode() if isinstance(data, bytes) else data
 
 
 @dataclass(frozen=True)
@@ -48,24 +57,8 @@ class Compiled:
         return {**self.defaults, **values}
 
 
-def worker_name() -> str:
-    """`application_name` for our sessions, so `jobq doctor` can tell them apart."""
-    return f"jobq worker {socket.gethostname()}:{os.getpid()}"[:63]
-
-
-def connect_kwargs(prepared: bool) -> dict[str, Any]:
-    return {
-        "autocommit": True,
-        "application_name": worker_name(),
-        "options": f"-c idle_in_transaction_session_timeout={IDLE_IN_TRANSACTION_TIMEOUT_MS}",
-        # Behind a transaction-mode pooler that does not track prepared
-        # statements (PgBouncer < 1.21), server-side preparation must be off.
-        "prepare_threshold": 0 if prepared else None,
-        "keepalives": 1,
-        "keepalives_idle": 30,
-        "keepalives_interval": 10,
-        "keepalives_count": 3,
-    }
+def _pairs(keys: Sequence[Key]) -> dict[str, list[int]]:
+    return {"ids": [k[0] for k in keys], "attempts": [k[1] for k in keys]}
 
 
 class Driver:
@@ -76,35 +69,51 @@ class Driver:
     ) -> None:
         self.url = conninfo(url)
         self.prepared = prepared
-        self.lease = lease
-        self._conn: psycopg.AsyncConnection[tuple[Any, ...]] | None = None
+        self._conn: psycopg.AsyncConnection[Row] | None = None
         queue: statements.Queues = queues[0] if len(queues) == 1 else list(queues)
+        none: list[Key] = []
         self.sql = {
             "claim": Compiled.of(statements.claim(table, queue=queue, lease=lease)),
-            "complete_many": Compiled.of(statements.complete_many(table, [])),
+            "complete_many": Compiled.of(statements.complete_many(table, none)),
+            "held": Compiled.of(statements.held(table, none)),
             "fail": Compiled.of(statements.fail(table, 0, 0, "")),
-            "extend_leases": Compiled.of(statements.extend_leases(table, [], lease)),
-            "release": Compiled.of(statements.release(table, 0, 0)),
+            "extend_leases": Compiled.of(statements.extend_leases(table, none, lease)),
+            "hand_back": Compiled.of(statements.release_many(table, none, refund=False)),
+            "refund": Compiled.of(statements.release_many(table, none, refund=True)),
             "reap": Compiled.of(statements.reap(table)),
             "next_run_at": Compiled.of(statements.next_run_at(table, queue=queue)),
             "prune": Compiled.of(statements.prune(table, older_than=timedelta(0))),
         }
 
-    async def _connection(self) -> psycopg.AsyncConnection[tuple[Any, ...]]:
+    @property
+    def connected(self) -> bool:
+        return self._conn is not None and not self._conn.closed
+
+    async def _connection(self) -> psycopg.AsyncConnection[Row]:
         if self._conn is None or self._conn.closed:
-            self._conn = await psycopg.AsyncConnection.connect(
-                self.url, row_factory=tuple_row, **connect_kwargs(self.prepared)
+            conn = await psycopg.AsyncConnection.connect(
+                self.url, row_factory=dict_row, **connect_kwargs(self.prepared)
             )
+            set_json_loads(_raw_json, conn)
+            self._conn = conn
         return self._conn
 
-    async def _run(self, name: str, **values: Any) -> psycopg.AsyncCursor[tuple[Any, ...]]:
+    async def _rows(self, name: str, **values: Any) -> list[Row]:
         stmt = self.sql[name]
         conn = await self._connection()
         try:
-            return await conn.execute(stmt.sql, stmt.params(**values))
-        except psycopg.OperationalError:
-            await self.close()
+            cur = await conn.execute(stmt.sql, stmt.params(**values))
+            return await cur.fetchall() if cur.description else []
+        except psycopg.Error:
+            await self._drop_if_broken()
             raise
+
+    async def _drop_if_broken(self) -> None:
+        """A statement refused (a lock timeout) leaves an autocommit session
+        usable; only a broken one is closed, to be reopened on next use."""
+        conn = self._conn
+        if conn is not None and (conn.broken or conn.pgconn.status != psycopg.pq.ConnStatus.OK):
+            await self.close()
 
     async def close(self) -> None:
         if self._conn is not None:
@@ -114,50 +123,56 @@ class Driver:
             except psycopg.Error:
                 log.debug("error while closing a broken connection", exc_info=True)
 
-    async def claim(self, limit: int) -> list[Job]:
-        cur = await self._run("claim", limit=limit)
-        return [Job(*row[:6]) for row in await cur.fetchall()]
+    async def claim(self, limit: int) -> list[Row]:
+        """Claimed rows, payload still as JSON text (see `_raw_json`)."""
+        return await self._rows("claim", limit=limit)
 
-    async def complete_many(self, jobs: Sequence[tuple[int, int]]) -> set[int]:
-        cur = await self._run(
-            "complete_many", ids=[j[0] for j in jobs], attempts=[j[1] for j in jobs]
-        )
-        return {row[0] for row in await cur.fetchall()}
+    async def complete_many(self, keys: Sequence[Key]) -> set[Key]:
+        rows = await self._rows("complete_many", **_pairs(keys))
+        return {(r["id"], r["attempts"]) for r in rows}
 
-    async def fail(self, job_id: int, attempts: int, error: str) -> tuple[str, float] | None:
-        """The job's new status and seconds until its retry, or None if not ours."""
-        cur = await self._run(
-            "fail", id=job_id, attempts=attempts, error=statements.error_text(error)
+    async def held(self, keys: Sequence[Key]) -> set[Key]:
+        rows = await self._rows("held", **_pairs(keys))
+        return {(r["id"], r["attempts"]) for r in rows}
+
+    async def fail(self, key: Key, error: str) -> tuple[str, float] | None:
+        """The job's new status and seconds until its retry, or None if not done."""
+        rows = await self._rows(
+            "fail", id=key[0], attempts=key[1], error=statements.error_text(error)
         )
-        row = await cur.fetchone()
-        if row is None:
+        if not rows:
             return None
-        return str(row[1]), max(row[4].total_seconds(), 0.0)
+        return str(rows[0]["status"]), max(rows[0]["retry_in"].total_seconds(), 0.0)
 
-    async def extend_leases(self, jobs: Sequence[tuple[int, int]], lease: timedelta) -> set[int]:
-        cur = await self._run(
-            "extend_leases", ids=[j[0] for j in jobs], attempts=[j[1] for j in jobs], lease=lease
-        )
-        return {row[0] for row in await cur.fetchall()}
+    async def extend_leases(self, keys: Sequence[Key], lease: timedelta) -> set[Key]:
+        rows = await self._rows("extend_leases", lease=lease, **_pairs(keys))
+        return {(r["id"], r["attempts"]) for r in rows}
 
-    async def release(self, job_id: int, attempts: int) -> bool:
-        cur = await self._run("release", id=job_id, attempts=attempts)
-        return cur.rowcount == 1
+    async def hand_back(self, keys: Sequence[Key], *, refund: bool) -> set[Key]:
+        rows = await self._rows("refund" if refund else "hand_back", **_pairs(keys))
+        return {(r["id"], r["attempts"]) for r in rows}
 
-    async def reap(self) -> list[tuple[int, str, int]]:
-        cur = await self._run("reap")
-        return [(row[0], row[1], row[2]) for row in await cur.fetchall()]
+    async def reap(self) -> list[Row]:
+        return await self._rows("reap")
 
     async def prune(self, older_than: timedelta, limit: int) -> int:
         """One batch of finished jobs deleted, in its own (autocommit) transaction."""
-        cur = await self._run("prune", older_than=older_than, limit=limit)
+        stmt = self.sql["prune"]
+        conn = await self._connection()
+        try:
+            cur = await conn.execute(stmt.sql, stmt.params(older_than=older_than, limit=limit))
+        except psycopg.Error:
+            await self._drop_if_broken()
+            raise
         return cur.rowcount
 
     async def seconds_until_next(self) -> float | None:
         """Seconds until the earliest queued job is due (server clock), or None."""
-        cur = await self._run("next_run_at")
-        row = await cur.fetchone()
-        if row is None or row[0] is None:
+        rows = await self._rows("next_run_at")
+        if not rows:
             return None
-        seconds: float = (row[0] - row[1]).total_seconds()
+        due, now = rows[0].values()
+        if due is None:
+            return None
+        seconds: float = (due - now).total_seconds()
         return max(seconds, 0.0)

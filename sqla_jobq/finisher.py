@@ -1,83 +1,158 @@
-"""Recording outcomes: batched fenced completions, and retries across lost connections.
+"""Recording outcomes: batched fenced completions, failures, retries (internal).
 
 A completion is one fenced statement whatever the batch size, so while one
 flush is in flight the next completions wait and go together: the busier the
 worker, the fewer round trips per job.
+
+An outcome is kept and retried for as long as its attempt's lease may still
+be valid: across a lost connection or a restarting server, and past a row
+another session holds locked (the batch skips that row and retries it alone).
+Only when the lease has run out is an outcome given up: by then the reaper may
+have handed the job to someone else, and the fence would refuse it anyway.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
+import time
+from collections.abc import Callable
 
 import psycopg
 
+from .attempt import Attempt, Key, State
 from .driver import Driver
 
-log = logging.getLogger("sqla_jobq.worker")
-
-T = TypeVar("T")
+log = logging.getLogger("sqla_jobq.finisher")
 
 RETRY_START = 0.1
 RETRY_MAX = 5.0
-FINISH_RETRIES = 12
+# A row another session holds locked is tried again this often.
+BUSY_RETRY = 0.2
+
+Settled = Callable[[Attempt, str], None]
 
 
 class Finisher:
-    """Batches completions into one fenced `complete_many` per flush.
+    """Records the outcomes of finished attempts and reports each one settled."""
 
-    While one flush is in flight, later completions queue up and go together
-    in the next: the busier the worker, the bigger the batches.
-    """
-
-    def __init__(self, driver: Driver) -> None:
+    def __init__(self, driver: Driver, settled: Settled) -> None:
         self.driver = driver
-        self.pending: list[tuple[int, int, asyncio.Future[bool]]] = []
+        self.settled = settled
+        self.pending: dict[Key, Attempt] = {}
+        self.not_before: dict[Key, float] = {}  # busy rows and failed round trips
+        self.delay = RETRY_START
         self.kick = asyncio.Event()
+        self.flushing = asyncio.Lock()  # `run` and `drain` both flush
 
-    def complete(self, job_id: int, attempts: int) -> asyncio.Future[bool]:
-        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        self.pending.append((job_id, attempts, future))
+    def add(self, attempt: Attempt) -> None:
+        self.pending[attempt.key] = attempt
         self.kick.set()
-        return future
 
     async def run(self) -> None:
         while True:
-            await self.kick.wait()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.kick.wait(), self._next_try())
             self.kick.clear()
             await self.flush()
 
-    async def flush(self) -> None:
-        batch, self.pending = self.pending, []
+    async def drain(self) -> None:
+        """Flush until every outcome is recorded or its lease has run out."""
+        while self.pending:
+            await self.flush(final=True)
+            if self.pending:
+                await asyncio.sleep(self._next_try() or 0)
+
+    def _next_try(self) -> float | None:
+        if not self.pending:
+            return None
+        now = time.monotonic()
+        soonest = min((self.not_before.get(k, now) for k in self.pending), default=now)
+        return max(0.0, soonest - now)
+
+    async def flush(self, *, final: bool = False) -> None:
+        async with self.flushing:
+            await self._flush(final)
+
+    async def _flush(self, final: bool) -> None:
+        now = time.monotonic()
+        due = [a for k, a in self.pending.items() if self.not_before.get(k, 0.0) <= now]
+        # A row locked by someone else is still ours (the fence will say when
+        # it is not): keep trying it. An outcome the database cannot take is
+        # given up once its lease may have gone to someone else.
+        if final or self.delay > RETRY_START:
+            for attempt in due:
+                if not attempt.lease_valid(now):
+                    self._give_up(attempt)
+        due = [a for a in due if a.state is State.FINISHED]
+        try:
+            await self._complete([a for a in due if a.outcome and a.outcome.ok])
+            for attempt in due:
+                if attempt.outcome and not attempt.outcome.ok:
+                    await self._fail(attempt)
+        except psycopg.OperationalError as exc:
+            self._back_off(exc)
+            return
+        self.delay = RETRY_START
+
+    async def _complete(self, batch: list[Attempt]) -> None:
         if not batch:
             return
-        pairs = [(job_id, attempts) for job_id, attempts, _ in batch]
+        done = await self.driver.complete_many([a.key for a in batch])
+        for attempt in batch:
+            if attempt.key in done:
+                self._record(attempt, "done")
+        await self._sort_out([a for a in batch if a.key not in done], "not completed")
+
+    async def _fail(self, attempt: Attempt) -> None:
+        assert attempt.outcome is not None and attempt.outcome.error is not None
+        error = attempt.outcome.error
         try:
-            owned = await retrying("record completions", lambda: self.driver.complete_many(pairs))
-        except psycopg.Error as exc:
-            for *_, future in batch:
-                future.set_exception(exc)
+            result = await self.driver.fail(attempt.key, error)
+        except psycopg.errors.LockNotAvailable:
+            self._busy(attempt)
             return
-        for job_id, _, future in batch:
-            future.set_result(job_id in owned)
+        if result is None:
+            await self._sort_out([attempt], "failure not recorded")
+            return
+        status, retry_in = result
+        retry = f"failed ({error})" if status == "failed" else f"retry in {retry_in:.0f}s ({error})"
+        self._record(attempt, retry)
 
+    async def _sort_out(self, unmatched: list[Attempt], what: str) -> None:
+        """A fenced statement matched nothing: busy (locked by someone) or lost."""
+        if not unmatched:
+            return
+        still_ours = await self.driver.held([a.key for a in unmatched])
+        for attempt in unmatched:
+            if attempt.key in still_ours:
+                self._busy(attempt)
+            else:
+                attempt.lose()
+                self._settle(attempt, f"lost (no longer ours; {what})")
 
-async def retrying(what: str, call: Callable[[], Awaitable[T]]) -> T:
-    """Retry a statement across lost connections, with backoff, a bounded number of times.
+    def _busy(self, attempt: Attempt) -> None:
+        self.not_before[attempt.key] = time.monotonic() + BUSY_RETRY
 
-    Fenced statements are safe to repeat: one that already took effect
-    matches no row the second time.
-    """
-    delay = RETRY_START
-    for attempt in range(FINISH_RETRIES):
-        try:
-            return await call()
-        except psycopg.OperationalError as exc:
-            if attempt == FINISH_RETRIES - 1:
-                raise
-            log.warning("could not %s (%s); retrying in %.1fs", what, exc, delay)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, RETRY_MAX)
-    raise AssertionError("unreachable")
+    def _record(self, attempt: Attempt, outcome: str) -> None:
+        attempt.recorded()
+        self._settle(attempt, outcome)
+
+    def _give_up(self, attempt: Attempt) -> None:
+        attempt.lose()
+        self._settle(
+            attempt, "unrecorded (its lease ran out first); the job will be reaped and run again"
+        )
+
+    def _settle(self, attempt: Attempt, outcome: str) -> None:
+        self.pending.pop(attempt.key, None)
+        self.not_before.pop(attempt.key, None)
+        self.settled(attempt, outcome)
+
+    def _back_off(self, exc: Exception) -> None:
+        log.warning("could not record outcomes (%s); retrying in %.1fs", exc, self.delay)
+        later = time.monotonic() + self.delay
+        for key in self.pending:
+            self.not_before[key] = max(self.not_before.get(key, 0.0), later)
+        self.delay = min(self.delay * 2, RETRY_MAX)

@@ -6,6 +6,11 @@ keeps a fallback poll. LISTEN belongs to a server session, so it needs a direct
 connection (a transaction-mode pooler would hand the session to someone else).
 When the connection drops, reconnect with backoff, LISTEN again, and wake the
 worker once to catch up on whatever was announced while nobody listened.
+
+How soon to reconnect is a choice. *Eager* reconnects with backoff at once.
+*Lazy* waits until the worker talks to the database anyway (its next poll, or
+work to record): a serverless compute that suspended, closing every
+connection, is not woken again by a worker that has nothing to do.
 """
 
 from __future__ import annotations
@@ -18,8 +23,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from .db import conninfo
-from .driver import connect_kwargs
+from .db import connect_kwargs, conninfo
 
 log = logging.getLogger("sqla_jobq.notify")
 
@@ -31,14 +35,26 @@ class Listener:
     """Calls `wake()` on every notification for our queues, and after reconnecting."""
 
     def __init__(
-        self, url: str, channel: str, queues: Collection[str], wake: Callable[[], None]
+        self,
+        url: str,
+        channel: str,
+        queues: Collection[str],
+        wake: Callable[[], None],
+        *,
+        eager: bool = True,
     ) -> None:
         self.url = conninfo(url)
         self.channel = channel
         self.queues = set(queues)
         self.wake = wake
+        self.eager = eager
         self.connected = asyncio.Event()
+        self.allowed = asyncio.Event()  # lazy: the worker is using the database
         self._conn: psycopg.AsyncConnection[Any] | None = None
+
+    def poke(self) -> None:
+        """The worker is talking to the database anyway: a lazy listener may reconnect."""
+        self.allowed.set()
 
     async def run(self) -> None:
         """Listen until cancelled, reconnecting forever."""
@@ -50,10 +66,15 @@ class Listener:
             except psycopg.Error as exc:
                 if self.connected.is_set():
                     delay = BACKOFF_START
-                log.warning("LISTEN connection lost (%s); reconnecting in %.1fs", exc, delay)
+                when = f"in {delay:.1f}s" if self.eager else "when the worker next polls"
+                log.warning("LISTEN connection lost (%s); reconnecting %s", exc, when)
             self.connected.clear()
             await self._close()
             first = False
+            if not self.eager:
+                self.allowed.clear()
+                await self.allowed.wait()
+                continue
             await asyncio.sleep(delay)
             delay = min(delay * 2, BACKOFF_MAX)
 

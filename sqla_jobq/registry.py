@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from contextvars import ContextVar
-from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Generic, ParamSpec, TypeVar, overload
 
@@ -25,40 +23,12 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
-@dataclass(frozen=True)
-class Job:
-    """A claimed job: what the worker runs, and what `current_job()` returns."""
-
-    id: int
-    task: str | None
-    queue: str
-    payload: Any
-    attempts: int
-    max_attempts: int
-
-
 # Sets of argument names remembered as fitting, per task.
 FITTING_NAME_SETS = 64
 
 # Task.enqueue's own keyword options: a task parameter of the same name could
 # never be passed through it.
 RESERVED_PARAMETERS = frozenset({"conn", "run_at", "delay", "unique_key"})
-
-_current_job: ContextVar[Job] = ContextVar("sqla_jobq_current_job")
-
-
-def current_job() -> Job:
-    """The job being run by the calling handler (LookupError outside one)."""
-    try:
-        return _current_job.get()
-    except LookupError:
-        raise LookupError("current_job() is only available inside a running job") from None
-
-
-def set_current_job(job: Job) -> None:
-    """Bind `job` to the current context; the worker runs each job in a fresh one."""
-    _current_job.set(job)
-
 
 class Task(Generic[P, R]):
     """A registered function: still callable as itself, and enqueueable."""

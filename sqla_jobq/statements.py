@@ -404,10 +404,9 @@ def claim(
         .with_for_update(skip_locked=True)
         .cte("next")
     )
-    locked = func.array(select(ready.c.id).scalar_subquery(), type_=ARRAY(BigInteger))
     return (
         update(table)
-        .where(c.id == any_(locked))
+        .where(_id_in(table, ready))
         .values(
             status=_status_literal("running"),
             attempts=c.attempts + 1,
@@ -461,18 +460,58 @@ def _fence_many(table: Table, owned: Any) -> tuple[ColumnElement[bool], ...]:
     return (c.id == owned.c.id, status_is(c.status, "running"), c.attempts == owned.c.attempts)
 
 
+def _lockable(table: Table, jobs: Sequence[tuple[int, int]]) -> ColumnElement[bool]:
+    """`id = ANY(ids of the fenced rows we could lock now)`, for a batch update.
+
+    Rows another session holds locked (an admin's open transaction, an app's
+    `SELECT ... FOR UPDATE`, another worker's reaper) are skipped, not waited
+    on: one locked row must not stall a whole batch, nor the connection that
+    runs it. The caller tells a skipped row (still ours, retry it) from a lost
+    one with `held`.
+    """
+    owned = _owned_rows(jobs)
+    fenced = (
+        select(table.c.id)
+        .select_from(owned)
+        .join(table, and_(*_fence_many(table, owned)))
+        .with_for_update(of=table, skip_locked=True)
+        .cte("fenced")
+    )
+    return _id_in(table, fenced)
+
+
+def _id_in(table: Table, locked: Any) -> ColumnElement[bool]:
+    """`id = ANY(ARRAY(SELECT id FROM locked))`: primary-key lookups whatever
+    row count a generic plan guesses for the CTE (see `claim`)."""
+    ids = func.array(select(locked.c.id).scalar_subquery(), type_=ARRAY(BigInteger))
+    return table.c.id == any_(ids)
+
+
 def complete_many(table: Table, jobs: Sequence[tuple[int, int]]) -> Update:
     """`complete` for a batch of `(id, attempts)` pairs in one round trip.
 
-    Returns the ids that were still ours; the others had been taken away.
+    Returns the `(id, attempts)` pairs it completed. A pair missing from the
+    result was either taken away or is locked by another session right now
+    (skipped, not waited on): `held` tells which.
     """
-    owned = _owned_rows(jobs)
+    c = table.c
     return (
         update(table)
-        .where(*_fence_many(table, owned))
+        .where(_lockable(table, jobs))
         .values(**_DONE)
-        .returning(table.c.id)
+        .returning(c.id, c.attempts)
     )
+
+
+def held(table: Table, jobs: Sequence[tuple[int, int]]) -> Select[Any]:
+    """Which of these `(id, attempts)` pairs are still running attempts of ours.
+
+    A plain read, so it never waits on a lock: the answer for a pair a batch
+    statement skipped, telling "locked by someone, try again" from "taken away".
+    """
+    owned = _owned_rows(jobs)
+    c = table.c
+    return select(c.id, c.attempts).select_from(owned).join(table, and_(*_fence_many(table, owned)))
 
 
 def _backoff(table: Table) -> ColumnElement[Any]:
@@ -515,13 +554,18 @@ def extend_lease(table: Table, id: int, attempts: int, lease: timedelta = DEFAUL
 
 
 def extend_leases(table: Table, jobs: Sequence[tuple[int, int]], lease: timedelta) -> Update:
-    """`extend_lease` for a batch; returns the ids that were still ours."""
-    owned = _owned_rows(jobs)
+    """`extend_lease` for a batch; returns the `(id, attempts)` pairs extended.
+
+    Like `complete_many`, it skips rows another session holds locked: a
+    heartbeat must never wait behind anyone, or every lease it keeps would run
+    out while it waits.
+    """
+    c = table.c
     return (
         update(table)
-        .where(*_fence_many(table, owned))
+        .where(_lockable(table, jobs))
         .values(locked_until=func.now() + bindparam("lease", lease, type_=Interval))
-        .returning(table.c.id)
+        .returning(c.id, c.attempts)
     )
 
 
@@ -538,19 +582,52 @@ def release(table: Table, id: int, attempts: int) -> Update:
     )
 
 
-def reap(table: Table) -> Update:
-    """Return jobs whose lease expired (their worker died or stalled).
+def release_many(table: Table, jobs: Sequence[tuple[int, int]], *, refund: bool) -> Update:
+    """Hand a batch of attempts back to the queue; returns the pairs handed back.
 
-    Honours `max_attempts`, so a job that kills its worker every time ends
-    `failed` instead of coming back forever. Safe to run from many workers at
-    once: a row that another reaper or a finisher changed first no longer
-    matches when this statement re-checks it.
+    With `refund`, the attempts never started (claimed ahead, then the worker
+    stopped or its slots stayed busy): each gets its attempt back by raising
+    `max_attempts` by one, as `retry` does, so a deploy never costs a job one
+    of its tries while `attempts`, the fencing token, still only goes up.
+    Rows locked by another session are skipped, as in `complete_many`.
     """
     c = table.c
+    values: dict[str, Any] = {
+        "status": _status_literal("queued"),
+        "locked_until": null(),
+        "run_at": func.now(),
+    }
+    if refund:
+        values["max_attempts"] = c.max_attempts + 1
+    return update(table).where(_lockable(table, jobs)).values(**values).returning(c.id, c.attempts)
+
+
+REAP_BATCH = 1000
+
+
+def reap(table: Table, *, limit: int = REAP_BATCH) -> Update:
+    """Return up to `limit` jobs whose lease expired (their worker died or stalled).
+
+    Honours `max_attempts`, so a job that kills its worker every time ends
+    `failed` instead of coming back forever. Expired rows are locked with
+    SKIP LOCKED, so the reaper never waits on a row another session holds (a
+    finisher completing it late, an admin's transaction, another reaper) and
+    never stalls the connection it shares with claims; run it again while it
+    returns `limit` rows. A row that changed before it was locked is re-checked
+    and skipped when its lease is no longer expired.
+    """
+    c = table.c
+    expired = (
+        select(c.id)
+        .where(status_is(c.status, "running"), c.locked_until < func.now())
+        .limit(bindparam("limit", limit, type_=Integer))
+        .with_for_update(skip_locked=True)
+        .cte("expired")
+    )
     final = c.attempts >= c.max_attempts
     return (
         update(table)
-        .where(status_is(c.status, "running"), c.locked_until < func.now())
+        .where(_id_in(table, expired))
         .values(
             status=case((final, _status_literal("failed")), else_=_status_literal("queued")),
             locked_until=null(),

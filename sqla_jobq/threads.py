@@ -1,4 +1,4 @@
-"""Where plain (sync) handlers run: threads fed in batches, not one future per job."""
+"""Where plain (sync) handlers run: threads fed in batches, not one future per job (internal)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+
+from .capture import Captured, capture
 
 
 class HandlerThreads:
@@ -30,20 +32,21 @@ class HandlerThreads:
     def __init__(self, size: int, spread_after: float = 0.001) -> None:
         self.size = size
         self.spread_after = spread_after
-        self.pending: deque[tuple[asyncio.Future[None], Callable[[], object]]] = deque()
+        self.pending: deque[tuple[asyncio.Future[Captured], Callable[[], object]]] = deque()
         self.permits: queue.SimpleQueue[None] = queue.SimpleQueue()  # C, unlike Semaphore
         self.threads: list[threading.Thread] = []
         self.lock = threading.Lock()
         self.busy = 0  # threads inside a handler (under lock)
         self.unclaimed = 0  # permits released and not yet taken (under lock)
         self.progress = time.monotonic()  # when a handler last started or finished
-        self.done: list[tuple[asyncio.Future[None], BaseException | None]] = []
+        self.done: list[tuple[asyncio.Future[Captured], Captured]] = []
         self.closing = False
         self.kicked = False
         self.loop: asyncio.AbstractEventLoop | None = None
 
-    def run(self, call: Callable[[], object]) -> asyncio.Future[None]:
-        """Run `call` on a thread; the future resolves with its outcome."""
+    def run(self, call: Callable[[], object]) -> asyncio.Future[Captured]:
+        """Run `call` on a thread; the future resolves with its outcome as a
+        value (it never resolves with an exception: see `capture`)."""
         if self.loop is None:
             self.loop = asyncio.get_running_loop()
         future = self.loop.create_future()
@@ -106,15 +109,11 @@ class HandlerThreads:
                 with self.lock:
                     self.busy += 1
                 self.progress = time.monotonic()
-                error: BaseException | None = None
-                try:
-                    call()
-                except BaseException as exc:
-                    error = exc
+                outcome = capture(call)
                 self.progress = time.monotonic()
                 with self.lock:
                     self.busy -= 1
-                    self.done.append((future, error))
+                    self.done.append((future, outcome))
                     first = len(self.done) == 1
                 if first:
                     try:
@@ -125,13 +124,9 @@ class HandlerThreads:
     def _deliver(self) -> None:
         with self.lock:
             batch, self.done = self.done, []
-        for future, error in batch:
-            if future.cancelled():
-                continue
-            if error is None:
-                future.set_result(None)
-            else:
-                future.set_exception(error)
+        for future, outcome in batch:
+            if not future.done():
+                future.set_result(outcome)
 
     def shutdown(self, timeout: float = 1.0) -> None:
         """Drop calls no thread has taken yet, and let idle threads exit; a

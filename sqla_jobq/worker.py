@@ -1,55 +1,73 @@
-"""The worker: claim, run, finish, and look after leases.
+"""The worker: claim, run, record, and hand back what it cannot finish.
 
 One asyncio loop drives everything. Claims are committed the moment they are
 made (autocommit), so no transaction is open while a handler runs; `async def`
-handlers run as tasks, plain functions on handler threads. Completions are
-batched into one fenced statement per flush; failures, lease extensions and
-releases are fenced too, and a fenced statement that matches no row means the
-job was taken away: the worker logs it and touches nothing else.
+handlers run as tasks, plain functions on handler threads.
+
+Each claimed attempt is an `Attempt` keyed by `(id, attempts)` that owns its
+lifecycle (attempt.py). Three connections, each with one job, so none can
+stall another: the claimer (claims, reaping, pruning, hand-backs), the
+finisher (outcomes, finisher.py) and the lease keeper (heartbeats, leases.py);
+a fourth listens for notifications (notify.py). A handler's every outcome is
+captured as a value and recorded through one function (execute.py); shutdown
+runs in `finally`, hands back what never started with its attempt refunded,
+and flushes every outcome its handlers produced.
 
 Round trips per job, not SQL, set the pace, so the hot path is batched end to
 end: claims come in batches (with a small prefetch buffer while jobs are
-short, so the next claim is in flight while the last batch runs), finished
-sync handlers come back to the loop in batches, and completions go out in
-batches.
+short), finished sync handlers come back to the loop in batches, and
+completions go out in batches.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
-import functools
 import logging
 import os
 import signal
 import time
-from collections import defaultdict, deque
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import psycopg
+from sqlalchemy import create_engine
+from sqlalchemy.pool import NullPool
 
+from .attempt import Attempt, Cancel, Key, Outcome, State
+from .db import sqlalchemy_url
 from .driver import Driver
-from .finisher import RETRY_MAX, RETRY_START, Finisher, retrying
+from .execute import Runner
+from .finisher import RETRY_MAX, RETRY_START, Finisher
+from .leases import LeaseKeeper
+from .migrations import check_schema
 from .notify import Listener
-from .registry import Job, Registry, set_current_job
-from .schema import names_of
+from .registry import Registry
+from .statements import DEFAULT_LEASE, REAP_BATCH
 from .threads import HandlerThreads
 
 log = logging.getLogger("sqla_jobq.worker")
 
 PRUNE_BATCH = 10_000
 # The prefetch buffer holds about this much work (estimated from a moving
-# average of handler durations), so a prefetched job waits about this long
-# for a slot: for no-op jobs that is dozens of jobs, for 10 ms jobs a few, and
-# jobs longer than that are not prefetched at all (a claim's round trip is
-# noise next to them).
+# average of handler durations, or from the longest running handler when that
+# is longer), so a prefetched job waits about this long for a slot: for no-op
+# jobs that is dozens of jobs, for 10 ms jobs a few, and jobs longer than that
+# are not prefetched at all (a claim's round trip is noise next to them).
 PREFETCH_SECONDS = 0.01
 DEFAULT_PREFETCH = 64
+# A prefetched job still waiting this long is behind a slow one: it goes back
+# to the queue (its attempt refunded) for a worker with a free slot.
+STALL_SECONDS = 0.25
 HANDOFF_SECONDS = 0.0005
+# An empty claim while the next job is "due now" means its row is locked by
+# another session: back off from this, doubling up to the poll interval.
+EMPTY_BACKOFF_START = 0.05
+# `--reconnect` defaults to lazy for polls at least this long (serverless).
+LAZY_RECONNECT_POLL = 60.0
 
 
 @dataclass(frozen=True)
@@ -71,6 +89,8 @@ class WorkerOptions:
     # jobs are short (see PREFETCH_SECONDS); 0 turns prefetching off. Their
     # leases run (and are extended) while they wait.
     prefetch: int = DEFAULT_PREFETCH
+    # "eager", "lazy", or None for the default (see LAZY_RECONNECT_POLL).
+    reconnect: str | None = None
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
@@ -80,19 +100,14 @@ class WorkerOptions:
         for what in ("poll_interval", "shutdown_timeout", "reap_interval", "prune_interval"):
             if getattr(self, what) < 0:
                 raise ValueError(f"{what.replace('_', '-')} must not be negative")
+        if self.reconnect not in (None, "eager", "lazy"):
+            raise ValueError(f"reconnect must be eager or lazy, got {self.reconnect!r}")
 
-
-@dataclass
-class Running:
-    """A job this worker claimed and has not yet finished recording."""
-
-    row: Job
-    lease: timedelta
-    started: float
-    extended: float
-    lost: bool = False
-    handler_done: bool = False
-    task: asyncio.Task[Any] | None = field(default=None, repr=False)
+    @property
+    def eager_reconnect(self) -> bool:
+        if self.reconnect is None:
+            return self.poll_interval < LAZY_RECONNECT_POLL
+        return self.reconnect == "eager"
 
 
 class Worker:
@@ -100,13 +115,22 @@ class Worker:
         self.registry = registry
         self.options = options
         self.queues = list(options.queues) or registry.queues or ["default"]
-        leases = [t.lease for t in registry.tasks.values()] or [timedelta(minutes=5)]
+        leases = [t.lease for t in registry.tasks.values()] or [DEFAULT_LEASE]
         self.claim_lease = min(leases)
         self.claimer = self._driver()
-        self.finisher = Finisher(self._driver())
-        self.active: dict[int, Running] = {}
-        self.ready: deque[Running] = deque()  # claimed, waiting for a free slot
-        self.executing = 0
+        self.finisher = Finisher(self._driver(), self._settled)
+        self.leases = LeaseKeeper(
+            self._driver(),
+            self._unsettled,
+            self._lost,
+            tick=max(0.05, min(5.0, self.claim_lease.total_seconds() / 6)),
+        )
+        self.threads = HandlerThreads(options.concurrency)
+        self.runner = Runner(registry, self.threads)
+        self.listener: Listener | None = None
+        self.attempts: dict[Key, Attempt] = {}  # every attempt not settled yet
+        self.ready: deque[Attempt] = deque()  # claimed, waiting for a slot
+        self.running: dict[Key, Attempt] = {}  # started, oldest first
         self.avg_handler: float | None = None  # seconds, moving average
         # Claimed and not yet recorded, at most (see _room); held_back says
         # that limit is what keeps the claim loop waiting.
@@ -114,10 +138,10 @@ class Worker:
         self.held_back = False
         self.event = asyncio.Event()
         self.stopping = False
+        self.stall_check: asyncio.TimerHandle | None = None
         self.last_reap = float("-inf")
         self.last_prune = float("-inf")
         self.job_tasks: set[asyncio.Task[None]] = set()
-        self.threads = HandlerThreads(options.concurrency)
         self.processed = 0
 
     def _driver(self) -> Driver:
@@ -132,23 +156,24 @@ class Worker:
         second one exits the process at once; an app embedding the worker in
         another thread passes False and calls `stop()` instead.
         """
+        channel = await asyncio.to_thread(self._check_schema)
         loop = asyncio.get_running_loop()
         signals = (signal.SIGTERM, signal.SIGINT) if handle_signals else ()
         for sig in signals:
             loop.add_signal_handler(sig, self._on_signal)
         helpers = [
             asyncio.create_task(self.finisher.run(), name="finisher"),
-            asyncio.create_task(self._heartbeat(), name="heartbeat"),
+            asyncio.create_task(self.leases.run(), name="leases"),
         ]
-        listener = None
         if not self.options.burst:
-            listener = Listener(
+            self.listener = Listener(
                 self.options.listen_url or self.options.database_url,
-                names_of(self.registry.table).channel,
+                channel,
                 self.queues,
                 self.wake,
+                eager=self.options.eager_reconnect,
             )
-            helpers.append(asyncio.create_task(listener.run(), name="listener"))
+            helpers.append(asyncio.create_task(self.listener.run(), name="listener"))
         log.info(
             "worker started: queues=%s concurrency=%d%s",
             ",".join(self.queues),
@@ -157,27 +182,33 @@ class Worker:
         )
         try:
             await self._claim_loop()
-            await self._shutdown()
         finally:
-            for helper in helpers:
-                helper.cancel()
-            await asyncio.gather(*helpers, return_exceptions=True)
-            if listener is not None:
-                await listener.stop()
-            await self.claimer.close()
-            await self.finisher.driver.close()
-            self.threads.shutdown()
-            for sig in signals:
-                loop.remove_signal_handler(sig)
+            try:
+                await self._shutdown()
+            finally:
+                await self._teardown(helpers)
+                for sig in signals:
+                    loop.remove_signal_handler(sig)
         log.info("worker stopped after %d jobs", self.processed)
         return 0
+
+    def _check_schema(self) -> str:
+        """Refuse a missing or outdated table (SchemaError, one line) before
+        claiming anything; the channel its triggers announce jobs on."""
+        engine = create_engine(sqlalchemy_url(self.options.database_url), poolclass=NullPool)
+        try:
+            with engine.connect() as conn:
+                return check_schema(conn, self.registry.table)
+        finally:
+            engine.dispose()
 
     def wake(self) -> None:
         self.event.set()
 
     def stop(self) -> None:
         """Stop claiming; running jobs get `shutdown_timeout` to finish."""
-        log.info("stopping: no new claims; waiting up to %ss", self.options.shutdown_timeout)
+        if not self.stopping:
+            log.info("stopping: no new claims; waiting up to %ss", self.options.shutdown_timeout)
         self.stopping = True
         self.wake()
 
@@ -188,6 +219,8 @@ class Worker:
             os._exit(1)
         self.stop()
 
+    # -- claiming ---------------------------------------------------------
+
     def _room(self) -> int:
         """How many jobs to claim now (0: wait until running jobs make room).
 
@@ -195,7 +228,8 @@ class Worker:
         about PREFETCH_SECONDS of work (at most `prefetch` jobs) is claimed
         ahead, so the next batch is in flight while this one runs and claims
         come in batches of dozens; that top-up waits until it is worth a
-        round trip (half the capacity).
+        round trip (half the capacity). A handler running long counts as
+        long as it has run so far, so a slow job stops prefetching at once.
 
         Jobs whose outcome is not recorded yet count too: the worker holds at
         most twice its capacity, so when completions fall behind (a slow or
@@ -203,12 +237,12 @@ class Worker:
         job of the queue in memory.
         """
         concurrency = self.options.concurrency
-        free = concurrency - self.executing - len(self.ready)
+        free = concurrency - len(self.running) - len(self.ready)
         extra = 0
         if self.avg_handler is not None:
-            per_slot = PREFETCH_SECONDS / max(self.avg_handler, 1e-6)
-            extra = min(self.options.prefetch, int(concurrency * per_slot))
-        unheld = self.max_held - len(self.active)
+            per_job = max(self.avg_handler, self._longest_running(), 1e-6)
+            extra = min(self.options.prefetch, int(concurrency * PREFETCH_SECONDS / per_job))
+        unheld = self.max_held - len(self.attempts)
         room = min(free + extra, unheld)
         self.held_back = unheld < free + extra
         if room <= 0:
@@ -217,8 +251,15 @@ class Worker:
             return room
         return room if room >= (concurrency + extra) // 2 else 0
 
+    def _longest_running(self) -> float:
+        oldest = next(iter(self.running.values()), None)
+        if oldest is None or oldest.started_at is None:
+            return 0.0
+        return time.monotonic() - oldest.started_at
+
     async def _claim_loop(self) -> None:
         delay = RETRY_START
+        empty = 0  # claims in a row that found nothing
         while not self.stopping:
             want = self._room()
             if want <= 0:
@@ -234,31 +275,40 @@ class Worker:
                 delay = min(delay * 2, RETRY_MAX)
                 continue
             delay = RETRY_START
+            if self.listener is not None:
+                self.listener.poke()
             for row in rows:
                 self._take(row)
             self._dispatch()
             if len(rows) == want:
+                empty = 0
                 continue
             if self.options.burst:
-                if self.executing == 0 and not rows and not self.ready:
+                if not self.running and not rows and not self.ready:
                     return
                 await self._wait(None)
                 continue
+            empty = 0 if rows else empty + 1
             if rows:
                 # Block briefly first: the jobs just started get their handler
                 # threads going while this thread waits, not after the lookup.
                 await asyncio.sleep(HANDOFF_SECONDS)
-            await self._wait(await self._idle_timeout())
+            await self._wait(await self._idle_timeout(empty))
 
-    async def _idle_timeout(self) -> float:
-        """Sleep until the next scheduled job is due, or the poll interval."""
-        timeout = self.options.poll_interval
+    async def _idle_timeout(self, empty: int) -> float:
+        """Sleep until the next scheduled job is due, or the poll interval; after
+        empty claims, at least a backoff (the due job is locked by someone)."""
+        poll = self.options.poll_interval
         try:
             due = await self.claimer.seconds_until_next()
         except psycopg.Error as exc:
             log.warning("could not look up the next scheduled job: %s", exc)
-            return min(timeout, RETRY_MAX)
-        return timeout if due is None else min(timeout, due)
+            return min(poll, RETRY_MAX)
+        timeout = poll if due is None else min(poll, due)
+        if empty:
+            backoff = EMPTY_BACKOFF_START * 2 ** min(empty - 1, 30)
+            timeout = max(timeout, min(poll, backoff))
+        return timeout
 
     async def _wait(self, timeout: float | None, *, interruptible: bool = True) -> None:
         if not interruptible:
@@ -277,14 +327,24 @@ class Worker:
         now = time.monotonic()
         if now - self.last_reap >= self.options.reap_interval:
             self.last_reap = now
-            for job_id, status, attempts in await self.claimer.reap():
-                log.warning(
-                    "reaped job %d (attempt %d, lease expired): now %s", job_id, attempts, status
-                )
+            await self._reap()
         older_than = self.options.prune_older_than
         if older_than is not None and now - self.last_prune >= self.options.prune_interval:
             self.last_prune = now
             await self._prune(older_than)
+
+    async def _reap(self) -> None:
+        while True:
+            rows = await self.claimer.reap()
+            for row in rows:
+                log.warning(
+                    "reaped job %d (attempt %d, lease expired): now %s",
+                    row["id"],
+                    row["attempts"],
+                    row["status"],
+                )
+            if len(rows) < REAP_BATCH:
+                return
 
     async def _prune(self, older_than: timedelta) -> None:
         total = 0
@@ -295,173 +355,177 @@ class Worker:
         if total:
             log.info("pruned %d finished jobs older than %s", total, older_than)
 
-    def _take(self, row: Job) -> None:
-        """A claimed job: ours from now on (its lease is watched), queued for a slot."""
-        task = self.registry.get(row.task)
+    def _take(self, row: dict[str, Any]) -> None:
+        """A claimed attempt: ours from now on (its lease is kept), queued for a slot."""
+        task = self.registry.get(row["task"])
         lease = task.lease if task is not None else self.claim_lease
-        now = time.monotonic()
-        # The claim leased it for `claim_lease` (the shortest of all tasks),
-        # not its own: date the last extension back so the first heartbeat is
-        # due a third of the way into the claim lease, not into the task's.
-        head_start = (lease - self.claim_lease).total_seconds() / 3
-        entry = Running(row, lease, now, now - head_start)
-        self.active[row.id] = entry
-        self.ready.append(entry)
+        attempt = Attempt.claimed(row, lease, self.claim_lease)
+        self.attempts[attempt.key] = attempt
+        self.ready.append(attempt)
+
+    # -- running ----------------------------------------------------------
 
     def _dispatch(self) -> None:
-        """Start waiting jobs while slots are free."""
-        while self.ready and self.executing < self.options.concurrency and not self.stopping:
-            entry = self.ready.popleft()
-            if entry.lost:  # its lease went while it waited: not ours to run
-                self.active.pop(entry.row.id, None)
+        """Start waiting attempts while slots are free."""
+        while self.ready and len(self.running) < self.options.concurrency and not self.stopping:
+            attempt = self.ready.popleft()
+            if attempt.state is not State.CLAIMED:  # lost while it waited
                 continue
-            entry.started = time.monotonic()
-            self.executing += 1
-            job_task = asyncio.create_task(self._execute(entry))
+            attempt.start()
+            self.running[attempt.key] = attempt
+            job_task = asyncio.create_task(self._execute(attempt))
             self.job_tasks.add(job_task)
             job_task.add_done_callback(self.job_tasks.discard)
+        if self.ready and self.stall_check is None and not self.stopping:
+            loop = asyncio.get_running_loop()
+            self.stall_check = loop.call_later(STALL_SECONDS, self._check_stall)
 
-    async def _execute(self, entry: Running) -> None:
-        row = entry.row
+    async def _execute(self, attempt: Attempt) -> None:
         try:
-            error = await self._call(entry)
+            outcome = await self.runner.run(attempt)
+        except Exception as exc:  # a bug of ours: still this attempt's failure alone
+            log.exception("%s: internal error", attempt.describe())
+            outcome = Outcome(error=f"{type(exc).__name__}: {exc}", exc=exc)
         finally:
-            entry.handler_done = True
-            self.executing -= 1
-            took = time.monotonic() - entry.started
+            self.running.pop(attempt.key, None)
+            assert attempt.started_at is not None
+            took = time.monotonic() - attempt.started_at
             avg = self.avg_handler
             self.avg_handler = took if avg is None else avg + (took - avg) / 8
             self._dispatch()
             if self._room():
                 self.wake()
-        try:
-            outcome = "lost" if entry.lost else await self._finish(row, error)
-        except psycopg.Error as exc:
-            outcome = f"unrecorded ({exc}); the lease will expire and the job run again"
-        finally:
-            self.active.pop(row.id, None)
-            if self.held_back:
-                self.wake()
+        if attempt.finish(outcome):
+            self.finisher.add(attempt)
+        else:
+            self._log_job(attempt, attempt.state.value)
+
+    def _check_stall(self) -> None:
+        """Prefetched attempts stuck behind busy slots go back to the queue."""
+        self.stall_check = None
+        if not self.ready or self.stopping:
+            return
+        oldest = self.ready[0].claimed_at
+        if time.monotonic() - oldest < STALL_SECONDS:
+            self.stall_check = asyncio.get_running_loop().call_later(
+                STALL_SECONDS, self._check_stall
+            )
+            return
+        waiting = self._take_ready()
+        why = "stuck behind busy slots"
+        task = asyncio.create_task(self._hand_back(waiting, refund=True, why=why))
+        self.job_tasks.add(task)
+        task.add_done_callback(self.job_tasks.discard)
+
+    def _take_ready(self) -> list[Attempt]:
+        waiting = [a for a in self.ready if a.state is State.CLAIMED]
+        self.ready.clear()
+        return waiting
+
+    # -- settling ---------------------------------------------------------
+
+    def _unsettled(self) -> Iterable[Attempt]:
+        return list(self.attempts.values())
+
+    def _settled(self, attempt: Attempt, outcome: str) -> None:
+        self.attempts.pop(attempt.key, None)
+        self._log_job(attempt, outcome)
+        if self.held_back:
+            self.wake()
+
+    def _log_job(self, attempt: Attempt, outcome: str) -> None:
         self.processed += 1
+        started = attempt.started_at or attempt.claimed_at
         log.info(
-            "job %d task=%s attempt=%d duration=%.1fms outcome=%s",
-            row.id,
-            row.task,
-            row.attempts,
-            (time.monotonic() - entry.started) * 1000,
+            "%s duration=%.1fms outcome=%s",
+            attempt.describe(),
+            (time.monotonic() - started) * 1000,
             outcome,
         )
 
-    async def _call(self, entry: Running) -> str | None:
-        """Run the handler; None on success, else the error to record."""
-        row = entry.row
-        task = self.registry.get(row.task)
-        if task is None:
-            return f"UnknownTask: task {row.task!r} is not registered on this worker"
-        if not isinstance(row.payload, dict):
-            return f"InvalidPayload: expected a JSON object, got {type(row.payload).__name__}"
-        mismatch = task.mismatch(row.payload)
-        if mismatch is not None:
-            return f"InvalidPayload: {mismatch}"
-        context = contextvars.copy_context()
-        context.run(set_current_job, row)
-        try:
-            if task.is_async:
-                entry.task = asyncio.create_task(task.fn(**row.payload), context=context)
-                await entry.task
-            else:
-                await self.threads.run(functools.partial(context.run, task.fn, **row.payload))
-        except asyncio.CancelledError:
-            if entry.lost:
-                return "cancelled: lease lost"
-            raise
-        except (Exception, SystemExit) as exc:
-            log.error("job %d task=%s raised", row.id, row.task, exc_info=exc)
-            return f"{type(exc).__name__}: {exc}"
-        return None
-
-    async def _finish(self, row: Job, error: str | None) -> str:
-        if error is None:
-            owned = await self.finisher.complete(row.id, row.attempts)
-            return "done" if owned else "lost (no longer ours; not completed)"
-        result = await retrying(
-            "record a failure", lambda: self.finisher.driver.fail(row.id, row.attempts, error)
-        )
-        if result is None:
-            return "lost (no longer ours; failure not recorded)"
-        status, retry_in = result
-        return f"failed ({error})" if status == "failed" else f"retry in {retry_in:.0f}s ({error})"
-
-    async def _heartbeat(self) -> None:
-        """Extend the leases of jobs running for a third of their lease."""
-        tick = max(0.05, min(5.0, self.claim_lease.total_seconds() / 6))
-        while True:
-            await asyncio.sleep(tick)
-            now = time.monotonic()
-            due: dict[timedelta, list[Running]] = defaultdict(list)
-            for entry in self.active.values():
-                if not entry.lost and now - entry.extended >= entry.lease.total_seconds() / 3:
-                    due[entry.lease].append(entry)
-            for lease, entries in due.items():
-                await self._extend(lease, entries, now)
-
-    async def _extend(self, lease: timedelta, entries: list[Running], now: float) -> None:
-        pairs = [(e.row.id, e.row.attempts) for e in entries]
-        try:
-            owned = await self.finisher.driver.extend_leases(pairs, lease)
-        except psycopg.Error as exc:
-            log.warning("could not extend %d leases (%s); will retry", len(pairs), exc)
-            return
-        for entry in entries:
-            if entry.row.id in owned:
-                entry.extended = now
-            elif entry.row.id in self.active and not entry.handler_done:
-                # A finished handler's completion may simply have landed first.
-                self._lose(entry)
-
-    def _lose(self, entry: Running) -> None:
-        entry.lost = True
+    def _lost(self, attempt: Attempt) -> None:
+        """The lease keeper found the attempt's row taken away: stop it, touch nothing."""
+        was = attempt.state
+        attempt.lose()
+        self.attempts.pop(attempt.key, None)
         log.warning(
-            "job %d task=%s attempt=%d: lease lost (reaped or taken over); "
-            "it will not be completed by this worker",
-            entry.row.id,
-            entry.row.task,
-            entry.row.attempts,
+            "%s: lease lost (reaped or taken over); it will not be completed by this worker",
+            attempt.describe(),
         )
-        if entry.task is not None:
-            entry.task.cancel()
+        if was is State.STARTED:
+            attempt.cancel(Cancel.LOST)
+        else:
+            self._log_job(attempt, "lost")
+
+    async def _hand_back(self, attempts: list[Attempt], *, refund: bool, why: str) -> None:
+        """Return attempts to the queue in one statement, retried until each is
+        handed back, lost, or past its lease; one summary line."""
+        remaining = [a for a in attempts if a.state in (State.CLAIMED, State.STARTED)]
+        back: list[Attempt] = []
+        delay = RETRY_START
+        while remaining:
+            try:
+                done = await self.claimer.hand_back([a.key for a in remaining], refund=refund)
+                missed = [a for a in remaining if a.key not in done]
+                ours = await self.claimer.held([a.key for a in missed]) if missed else set()
+            except psycopg.Error as exc:
+                log.warning("could not hand back %d jobs (%s); retrying", len(remaining), exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, RETRY_MAX)
+                remaining = self._still_valid(remaining)
+                continue
+            for attempt in remaining:
+                if attempt.key in done:
+                    attempt.handed_back()
+                    self.attempts.pop(attempt.key, None)
+                    back.append(attempt)
+                elif attempt.key not in ours and not attempt.state.settled:
+                    self._lost(attempt)
+            remaining = [a for a in missed if a.key in ours and not a.state.settled]
+            if remaining:
+                await asyncio.sleep(delay)
+                remaining = self._still_valid(remaining)
+        if back:
+            ids = ", ".join(str(a.key[0]) for a in back[:10])
+            more = f" and {len(back) - 10} more" if len(back) > 10 else ""
+            refunded = " (attempts refunded: they never started)" if refund else ""
+            log.warning(
+                "%d jobs %s, returned to the queue%s: %s%s", len(back), why, refunded, ids, more
+            )
+
+    def _still_valid(self, attempts: list[Attempt]) -> list[Attempt]:
+        now = time.monotonic()
+        return [a for a in attempts if a.lease_valid(now) and not a.state.settled]
+
+    # -- stopping ---------------------------------------------------------
 
     async def _shutdown(self) -> None:
-        """Hand back jobs not started, let running ones finish within the
-        timeout, then hand the rest back too."""
-        while self.ready:
-            entry = self.ready.popleft()
-            if not entry.lost:
-                await self._release(entry, "not started")
-            self.active.pop(entry.row.id, None)
-        if self.job_tasks:
-            if self.executing:
-                log.info("waiting for %d running jobs", self.executing)
-            await asyncio.wait(set(self.job_tasks), timeout=self.options.shutdown_timeout)
-        for entry in list(self.active.values()):
-            if entry.lost or entry.handler_done:
-                continue
-            await self._release(entry, "unfinished")
-            if entry.task is not None:
-                entry.task.cancel()
-        for job_task in self.job_tasks:
-            job_task.cancel()
-        await asyncio.gather(*self.job_tasks, return_exceptions=True)
-        await self.finisher.flush()
+        """Hand back attempts not started (refunded), give running ones
+        `shutdown_timeout`, hand back the rest, then record every outcome."""
+        self.stopping = True
+        if self.stall_check is not None:
+            self.stall_check.cancel()
+        await self._hand_back(self._take_ready(), refund=True, why="not started at shutdown")
+        if self.running:
+            log.info("waiting for %d running jobs", len(self.running))
+            await self._join_jobs(self.options.shutdown_timeout)
+        unfinished = [a for a in self.running.values() if a.state is State.STARTED]
+        await self._hand_back(unfinished, refund=False, why="unfinished at shutdown")
+        for attempt in unfinished:
+            attempt.cancel(Cancel.SHUTDOWN)
+        await self._join_jobs(1.0)
+        await self.finisher.drain()
 
-    async def _release(self, entry: Running, why: str) -> None:
-        entry.lost = True
-        released = await self.finisher.driver.release(entry.row.id, entry.row.attempts)
-        log.warning(
-            "job %d task=%s attempt=%d: %s at shutdown, %s",
-            entry.row.id,
-            entry.row.task,
-            entry.row.attempts,
-            why,
-            "returned to the queue" if released else "no longer ours",
-        )
+    async def _join_jobs(self, timeout: float) -> None:
+        if self.job_tasks:
+            await asyncio.wait(set(self.job_tasks), timeout=timeout)
+
+    async def _teardown(self, helpers: list[asyncio.Task[None]]) -> None:
+        for task in [*helpers, *self.job_tasks]:
+            task.cancel()
+        await asyncio.gather(*helpers, *self.job_tasks, return_exceptions=True)
+        if self.listener is not None:
+            await self.listener.stop()
+        for driver in (self.claimer, self.finisher.driver, self.leases.driver):
+            await driver.close()
+        self.threads.shutdown()

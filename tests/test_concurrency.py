@@ -12,7 +12,7 @@ import asyncio
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
@@ -268,38 +268,34 @@ def test_finisher_blocked_behind_a_reaper_matches_nothing_once_the_reap_commits(
         assert status_counts(conn, table) == {"queued": (1, 1)}
 
 
-def test_reaper_blocked_behind_a_finisher_reaps_nothing_once_it_commits(
-    engine: Engine, table: Table, raw: psycopg.Connection[Any]
+def test_reaper_skips_a_row_a_late_finisher_holds_and_never_waits(
+    engine: Engine, table: Table
 ) -> None:
+    """The reaper locks expired rows with SKIP LOCKED: a row another session
+    holds (here a late finisher mid-transaction) is left alone, not waited on,
+    so a reaper sharing a connection with claims can never stall them."""
     row = expired_claim(engine, table)
-
-    def finish(worker: Connection) -> None:
+    with session(engine) as finisher, session(engine) as reaper:
         # a late finisher whose lease ran out but whose job nobody took yet
-        assert worker.execute(statements.complete(table, row.id, row.attempts)).rowcount == 1
-
-    def reap(reaper: Connection) -> Sequence[Any]:
-        return reaper.execute(statements.reap(table)).all()
-
-    assert blocked_behind(engine, raw, hold=finish, blocked=reap) == []
+        assert finisher.execute(statements.complete(table, row.id, row.attempts)).rowcount == 1
+        assert reaper.execute(statements.reap(table)).all() == []
+        reaper.commit()
+        finisher.commit()
     with session(engine) as conn:
         assert status_counts(conn, table) == {"done": (1, 1)}
 
 
 def test_two_reapers_return_an_expired_job_once(
-    engine: Engine, table: Table, raw: psycopg.Connection[Any]
+    engine: Engine, table: Table
 ) -> None:
     row = expired_claim(engine, table)
-
-    def first(reaper: Connection) -> None:
-        assert [r.id for r in reaper.execute(statements.reap(table))] == [row.id]
-
-    def second(reaper: Connection) -> Sequence[Any]:
-        return reaper.execute(statements.reap(table)).all()
-
-    assert blocked_behind(engine, raw, hold=first, blocked=second) == []
-
-
-# --- unique keys under concurrency ---------------------------------------------------
+    with session(engine) as first, session(engine) as second:
+        assert [r.id for r in first.execute(statements.reap(table))] == [row.id]
+        assert second.execute(statements.reap(table)).all() == []  # skipped, not waited on
+        first.commit()
+        second.commit()
+        assert second.execute(statements.reap(table)).all() == []  # not expired any more
+        second.commit()
 
 
 def second_session(

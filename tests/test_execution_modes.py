@@ -61,7 +61,7 @@ async def lifecycle(run: Run, table: Table) -> None:
         j5: (1, {"n": 5}),
     }
     assert (await run(statements.complete(table, j1, 1))).rowcount == 1
-    assert (await run(statements.complete_many(table, [(j2, 1)]))).rows == [(j2,)]
+    assert (await run(statements.complete_many(table, [(j2, 1)]))).rows == [(j2, 1)]
     assert (await run(statements.fail(table, j3, 1, "boom"))).rows[0].status == "failed"
     assert (await run(statements.extend_lease(table, j4, 1, timedelta(minutes=1)))).rowcount == 1
     extended = await run(statements.extend_leases(table, [(j4, 1), (j5, 1)], timedelta(hours=1)))

@@ -20,7 +20,7 @@ from sqlalchemy.pool import NullPool
 import sqla_jobq
 from sqla_jobq import Job, Registry, Task, current_job
 from sqla_jobq.db import sqlalchemy_url
-from sqla_jobq.registry import set_current_job
+from sqla_jobq.job import set_current_job
 from sqla_jobq.statements import DEFAULT_LEASE, InvalidJob
 
 

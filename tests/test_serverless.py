@@ -86,3 +86,48 @@ def test_idle_worker_sends_no_query_and_still_starts_a_new_job_at_once(
 
     _wait_for(done, 10)
     assert time.monotonic() - enqueued < 2.0, "LISTEN should start the job at once, not the poll"
+
+
+LAZY_POLL = 30.0
+
+
+@pytest.fixture
+def lazy_worker(tmp_path: Path, database_url: str, table: Table) -> Iterator[int]:
+    (tmp_path / "idle_tasks.py").write_text(TASKS)
+    env = dict(os.environ, JOBQ_TEST_TABLE=table.name, JOBQ_DATABASE_URL=database_url)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sqla_jobq", "worker", "idle_tasks:registry",
+         "--poll-interval", str(LAZY_POLL), "--reconnect", "lazy", "--log-level", "WARNING"],
+        cwd=tmp_path,
+        env=env,
+    )
+    yield proc.pid
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def test_lazy_worker_cut_off_while_idle_reconnects_only_at_its_next_poll(
+    lazy_worker: int, raw: psycopg.Connection[tuple[object, ...]], engine: Engine, table: Table
+) -> None:
+    """A suspended serverless compute closes every connection; a lazy worker
+    must not wake it by reconnecting, only at its next poll, and then catch up."""
+    _wait_for(lambda: len(_worker_sessions(raw, lazy_worker)) >= 2, 30)
+    time.sleep(2.0)  # past the start-up claim: asleep until the next poll
+    cut = time.monotonic()
+    raw.execute(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name LIKE %s",
+        (f"jobq worker %:{lazy_worker}",),
+    )
+    while time.monotonic() - cut < IDLE_WINDOW:
+        assert not _worker_sessions(raw, lazy_worker), "the worker reconnected while idle"
+        time.sleep(0.5)
+
+    with engine.begin() as conn:
+        job_id = conn.execute(statements.enqueue(table, "noop", {})).scalar_one()
+
+    def done() -> bool:
+        row = raw.execute(f'SELECT status FROM "{table.name}" WHERE id = %s', (job_id,)).fetchone()
+        return row is not None and row[0] == "done"
+
+    _wait_for(done, LAZY_POLL)  # nobody listened: the next poll finds it
+    assert _worker_sessions(raw, lazy_worker), "connections are back after the poll"

@@ -26,8 +26,7 @@ from sqlalchemy import Engine, Table
 from workerapp import SIDE_DDL
 
 from sqla_jobq import client, statements
-from sqla_jobq.db import conninfo
-from sqla_jobq.driver import connect_kwargs
+from sqla_jobq.db import connect_kwargs, conninfo
 from sqla_jobq.statements import NewJob
 
 TESTS_DIR = Path(__file__).resolve().parent
@@ -212,10 +211,12 @@ def wait_idle(raw: Raw, worker: WorkerProcess, after: datetime | None = None) ->
     wait_until(idle, 30, "the worker to go idle")
 
 
-def start_idle_worker(start_worker: StartWorker, raw: Raw) -> tuple[WorkerProcess, dict[str, Any]]:
+def start_idle_worker(
+    start_worker: StartWorker, raw: Raw, *args: str
+) -> tuple[WorkerProcess, dict[str, Any]]:
     """A worker on a poll of 60 s, with its LISTEN connection up and asleep after
     its first claim; returns it and its LISTEN session."""
-    worker = start_worker("--poll-interval", "60")
+    worker = start_worker("--poll-interval", "60", *args)
     listen = wait_until(lambda: listen_session(raw, worker), 30, "the LISTEN connection")
     wait_idle(raw, worker)
     return worker, listen
@@ -476,7 +477,7 @@ def test_handler_exception_records_type_and_message_and_retries_with_backoff(
     assert 20 <= backoff < 30, backoff
     assert row["run_at"] > row["db_now"]
     log = worker.log()
-    assert f"job {job_id} task=boom raised" in log
+    assert f"job {job_id} task=boom attempt=1 raised" in log
     assert "Traceback (most recent call last)" in log
     assert "ValueError: kaboom 42" in log
     assert "outcome=retry in 20s (ValueError: kaboom 42)" in log
@@ -564,7 +565,7 @@ def test_idle_worker_sleeps_until_the_next_run_at_not_the_poll_interval(
 def test_killed_listen_connection_is_reestablished_and_notifications_still_wake(
     engine: Engine, table: Table, raw: Raw, side: str, start_worker: StartWorker
 ) -> None:
-    worker, old = start_idle_worker(start_worker, raw)
+    worker, old = start_idle_worker(start_worker, raw, "--reconnect", "eager")
 
     raw.execute("SELECT pg_terminate_backend(%s)", (old["pid"],))
 

@@ -77,7 +77,9 @@ def test_listen_connection_terminated_pickup_stays_fast(fq: FaultQueue, workers:
     LISTEN session is terminated: it reconnects and LISTENs again by itself, and a
     job enqueued afterwards starts within seconds, not after the 60 s poll. A job
     enqueued while the LISTEN session is down is caught up on reconnection."""
-    worker = workers.start(fq, "--poll-interval", "60", "--concurrency", "2")
+    worker = workers.start(
+        fq, "--poll-interval", "60", "--reconnect", "eager", "--concurrency", "2"
+    )
     first = wait_until(lambda: session(fq.url, worker, "listen"), 20, "the LISTEN session")
     # Let the worker settle into its 60 s idle wait (its first claim found nothing).
     wait_until(lambda: session(fq.url, worker, "claim"), 20, "the first claim")

@@ -273,7 +273,7 @@ def test_table_name_with_quotes(database_url: str, workers: Workers) -> None:
         wait_until(
             lambda: fq.sql(
                 "SELECT 1 FROM pg_stat_activity WHERE application_name = %s AND query = %s",
-                (worker.app_name, f"LISTEN {quote_ident(name)}"),
+                (worker.app_name, f"LISTEN {quote_ident('public.' + name)}"),
             ),
             20,
             "the worker to LISTEN on the quoted channel",

@@ -1,0 +1,423 @@
+"""Hostile handlers, other sessions' locks, and shutdown: nothing may strand a
+job in `running` or run one attempt twice.
+
+Each test is the regression test of one finding of a hostile review (issue 14,
+numbered as there). Workers run in-process (tests/inprocess.py) so handlers can
+misbehave in any way Python allows; the outcome is always read back from the
+database.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import psycopg
+import pytest
+from inprocess import Side, burst, running, wait_until
+from psycopg.rows import dict_row
+from sqlalchemy import Engine, Table
+
+from sqla_jobq import Registry, client, current_job, statements
+from sqla_jobq.db import conninfo
+
+Raw = psycopg.Connection[Any]
+
+
+class Oops(BaseException):
+    """A custom BaseException: neither Exception nor SystemExit."""
+
+
+@pytest.fixture
+def side(database_url: str, table: Table, raw: Raw) -> Iterator[Side]:
+    found = Side(database_url, f"{table.name}_side")
+    yield found
+    raw.execute(f'DROP TABLE IF EXISTS "{found.name}"')
+
+
+def enqueue(engine: Engine, table: Table, task: str, payload: Any = None, **kw: Any) -> int:
+    with engine.begin() as conn:
+        return client.enqueue(conn, table, task, payload or {}, **kw)
+
+
+def row(raw: Raw, table: Table, job_id: int) -> dict[str, Any]:
+    with raw.cursor(row_factory=dict_row) as cur:
+        found = cur.execute(
+            "SELECT id, status, attempts, max_attempts, last_error, locked_until "
+            f'FROM "{table.name}" WHERE id = %s',
+            (job_id,),
+        ).fetchone()
+    assert found is not None
+    return found
+
+
+def statuses(raw: Raw, table: Table) -> dict[str, int]:
+    rows = raw.execute(f'SELECT status, count(*) FROM "{table.name}" GROUP BY status').fetchall()
+    return {str(s): int(n) for s, n in rows}
+
+
+# ------------------------------------------------------------ 1-4: handlers may do anything
+
+
+def hostile(table: Table, side: Side) -> Registry:
+    registry = Registry(table)
+
+    @registry.task(name="ok")
+    def ok() -> None:
+        side.record("ran")
+
+    @registry.task(name="stop_iteration")
+    def stop_iteration() -> None:
+        next(iter([]))
+
+    @registry.task(name="subtask_cancelled")
+    async def subtask_cancelled() -> None:
+        inner = asyncio.create_task(asyncio.sleep(10))
+        await asyncio.sleep(0)
+        inner.cancel()
+        await inner
+
+    @registry.task(name="system_exit")
+    async def system_exit() -> None:
+        raise SystemExit(3)
+
+    @registry.task(name="custom_base")
+    def custom_base() -> None:
+        raise Oops("not an Exception")
+
+    def plain_wrapper(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(**kwargs: Any) -> Any:
+            return fn(**kwargs)
+
+        return call
+
+    @registry.task(name="wrapped_async")
+    @plain_wrapper
+    async def wrapped_async() -> None:
+        await asyncio.sleep(0.01)
+        side.record("ran")
+
+    return registry
+
+
+def test_stop_iteration_fails_its_job_alone_and_batch_mates_finish(
+    engine: Engine, table: Table, raw: Raw, side: Side, database_url: str
+) -> None:
+    """Item 1: `StopIteration` used to break `Future.set_exception` and strand the batch."""
+    oks = [enqueue(engine, table, "ok") for _ in range(3)]
+    bad = enqueue(engine, table, "stop_iteration", max_attempts=1)
+    oks += [enqueue(engine, table, "ok") for _ in range(3)]
+    assert burst(hostile(table, side), database_url, concurrency=4) == 0
+    failed = row(raw, table, bad)
+    assert (failed["status"], failed["last_error"]) == ("failed", "StopIteration: ")
+    assert all(row(raw, table, j)["status"] == "done" for j in oks)
+
+
+def test_cancelled_error_the_worker_did_not_ask_for_is_a_failure_of_that_attempt(
+    engine: Engine, table: Table, raw: Raw, side: Side, database_url: str
+) -> None:
+    """Item 2: a sub-task's cancellation escaping a handler fails the attempt."""
+    job_id = enqueue(engine, table, "subtask_cancelled")
+    after = enqueue(engine, table, "ok")
+    assert burst(hostile(table, side), database_url, concurrency=2) == 0
+    found = row(raw, table, job_id)
+    assert (found["status"], found["attempts"]) == ("queued", 1)
+    assert found["last_error"].startswith("CancelledError")
+    assert found["locked_until"] is None
+    assert row(raw, table, after)["status"] == "done"
+
+
+@pytest.mark.parametrize("task", ["system_exit", "custom_base"])
+def test_base_exceptions_fail_their_job_and_the_worker_goes_on(
+    task: str, engine: Engine, table: Table, raw: Raw, side: Side, database_url: str
+) -> None:
+    """Item 3: `SystemExit` in an async handler used to end `asyncio.run`."""
+    job_id = enqueue(engine, table, task, max_attempts=1)
+    later = [enqueue(engine, table, "ok") for _ in range(5)]
+    assert burst(hostile(table, side), database_url, concurrency=2) == 0
+    found = row(raw, table, job_id)
+    expected = "SystemExit: 3" if task == "system_exit" else "Oops: not an Exception"
+    assert (found["status"], found["last_error"]) == ("failed", expected)
+    assert all(row(raw, table, j)["status"] == "done" for j in later)
+
+
+def test_payload_python_cannot_decode_fails_alone_in_its_claimed_batch(
+    engine: Engine, table: Table, raw: Raw, side: Side, database_url: str
+) -> None:
+    """Item 3: jsonb keeps a 5,000-digit integer that json.loads refuses; it
+    used to raise in the claim and strand every job claimed with it."""
+    oks = [enqueue(engine, table, "ok") for _ in range(4)]
+    bad = raw.execute(
+        f'INSERT INTO "{table.name}" (task, payload, max_attempts) '
+        "VALUES ('ok', ('{\"n\": 1' || repeat('0', 5000) || '}')::jsonb, 1) RETURNING id"
+    ).fetchone()
+    assert bad is not None
+    oks += [enqueue(engine, table, "ok") for _ in range(4)]
+    assert burst(hostile(table, side), database_url, concurrency=4) == 0
+    found = row(raw, table, bad[0])
+    assert found["status"] == "failed"
+    assert found["last_error"].startswith("InvalidPayload: cannot decode the payload")
+    assert all(row(raw, table, j)["status"] == "done" for j in oks)
+
+
+def test_sync_wrapper_returning_a_coroutine_runs_its_body_before_done(
+    engine: Engine, table: Table, raw: Raw, side: Side, database_url: str
+) -> None:
+    """Item 4: the coroutine used to be dropped unawaited and the job marked done."""
+    job_id = enqueue(engine, table, "wrapped_async")
+    assert burst(hostile(table, side), database_url) == 0
+    assert row(raw, table, job_id)["status"] == "done"
+    assert [e["event"] for e in side.events(job_id)] == ["ran"]
+
+
+# --------------------------------------------------------- 5-8: other sessions' locks
+
+
+def test_reclaimed_job_keeps_its_lease_while_its_lost_first_attempt_ends(
+    engine: Engine, table: Table, raw: Raw, side: Side, database_url: str
+) -> None:
+    """Item 5: attempt 1 loses its lease and this same worker claims attempt 2;
+    attempt 1's clean-up used to stop attempt 2's heartbeats, so the job ran a
+    third time. Keyed by (id, attempts), it runs exactly twice."""
+    registry = Registry(table)
+
+    @registry.task(name="slow", lease=timedelta(seconds=1))
+    def slow() -> None:
+        side.record("started")
+        time.sleep(2.0 if current_job().attempts == 1 else 3.0)
+        side.record("finished")
+
+    job_id = enqueue(engine, table, "slow")
+    with running(registry, database_url, concurrency=2, reap_interval=0.2, poll_interval=0.2):
+        wait_until(lambda: side.events(job_id), 10, "attempt 1 to start")
+        raw.execute(  # the lease is taken away while attempt 1 still runs
+            f'UPDATE "{table.name}" SET locked_until = now() - interval \'1 s\' WHERE id = %s',
+            (job_id,),
+        )
+        wait_until(lambda: row(raw, table, job_id)["status"] == "done", 30, "the job done")
+        time.sleep(1.5)  # time for a wrong third claim to show
+    runs = [(e["attempt"], e["event"]) for e in side.events(job_id)]
+    assert sorted(runs) == [(1, "finished"), (1, "started"), (2, "finished"), (2, "started")]
+    found = row(raw, table, job_id)
+    assert (found["status"], found["attempts"]) == ("done", 2)
+
+
+def test_heartbeats_go_on_while_a_completion_waits_on_another_sessions_row_lock(
+    engine: Engine, table: Table, raw: Raw, side: Side, database_url: str
+) -> None:
+    """Item 6: one completion blocked by a row lock used to stop every heartbeat
+    of its worker (one shared connection), so long jobs lost their leases."""
+    registry = Registry(table)
+
+    @registry.task(name="long", lease=timedelta(seconds=1))
+    def long() -> None:
+        time.sleep(3.0)
+
+    locked = threading.Event()
+
+    @registry.task(name="quick")
+    def quick() -> None:
+        side.record("ran")
+        locked.wait(10)  # finish only once its row is locked: the completion must wait
+
+    long_id = enqueue(engine, table, "long")
+    quick_id = enqueue(engine, table, "quick")
+    with running(registry, database_url, concurrency=2), psycopg.connect(
+        conninfo(database_url)
+    ) as holder:
+        wait_until(lambda: side.events(quick_id), 10, "the quick job to run")
+        holder.execute(f'SELECT 1 FROM "{table.name}" WHERE id = %s FOR UPDATE', (quick_id,))
+        locked.set()
+        deadline = time.monotonic() + 4
+        while time.monotonic() < deadline:  # another worker's reaper, all along
+            with psycopg.connect(conninfo(database_url), autocommit=True) as reaper:
+                reaper.execute(*_compiled(statements.reap(table)))
+            time.sleep(0.2)
+        holder.rollback()
+        wait_until(lambda: row(raw, table, quick_id)["status"] == "done", 10, "quick done")
+        wait_until(lambda: row(raw, table, long_id)["status"] == "done", 10, "long done")
+    assert row(raw, table, long_id)["attempts"] == 1, "the long job lost its lease"
+
+
+def _compiled(stmt: Any) -> tuple[str, dict[str, Any]]:
+    from sqlalchemy.dialects import postgresql
+
+    compiled = stmt.compile(dialect=postgresql.psycopg.dialect())
+    return compiled.string, dict(compiled.params)
+
+
+def _expired_running(raw: Raw, table: Table) -> int:
+    found = raw.execute(
+        f'INSERT INTO "{table.name}" (task, payload, status, attempts, locked_until) '
+        "VALUES ('quick', '{}', 'running', 1, now() - interval '1 min') RETURNING id"
+    ).fetchone()
+    assert found is not None
+    return int(found[0])
+
+
+def test_reaper_skips_a_locked_expired_row_and_claiming_goes_on(
+    engine: Engine, table: Table, raw: Raw, side: Side, database_url: str
+) -> None:
+    """Item 7: the reaper's UPDATE used to wait on a locked expired row, on the
+    claim connection, so nothing was claimed until the lock went."""
+    registry = Registry(table)
+
+    @registry.task(name="quick")
+    def quick() -> None:
+        side.record("ran")
+
+    stuck = _expired_running(raw, table)
+    with psycopg.connect(conninfo(database_url)) as holder:
+        holder.execute(f'SELECT 1 FROM "{table.name}" WHERE id = %s FOR UPDATE', (stuck,))
+        job_id = enqueue(engine, table, "quick")
+        assert burst(registry, database_url, timeout=30, reap_interval=0) == 0
+        assert row(raw, table, job_id)["status"] == "done"
+        assert row(raw, table, stuck)["status"] == "running"  # skipped, not waited on
+        holder.rollback()
+    assert burst(registry, database_url, reap_interval=0) == 0
+    assert row(raw, table, stuck)["status"] == "done"  # reaped, then run
+
+
+def test_idle_worker_backs_off_when_the_due_job_is_locked_by_another_session(
+    engine: Engine, table: Table, database_url: str
+) -> None:
+    """Item 8: an empty claim with a due (but locked) job used to retry at once,
+    thousands of claims a second."""
+    registry = Registry(table)
+
+    @registry.task(name="quick")
+    def quick() -> None:
+        pass
+
+    job_id = enqueue(engine, table, "quick")
+    with psycopg.connect(conninfo(database_url)) as holder:
+        holder.execute(f'SELECT 1 FROM "{table.name}" WHERE id = %s FOR UPDATE', (job_id,))
+        with running(registry, database_url, poll_interval=5) as run:
+            claims = _count_claims(run)
+            time.sleep(2.0)
+            assert 1 <= claims() <= 20, claims()
+        holder.rollback()
+
+
+def _count_claims(run: Any) -> Callable[[], int]:
+    count = [0]
+    claimer = run.worker.claimer
+    original = claimer.claim
+
+    async def counted(limit: int) -> Any:
+        count[0] += 1
+        return await original(limit)
+
+    done = threading.Event()
+
+    def patch() -> None:
+        claimer.claim = counted
+        done.set()
+
+    run.call(patch)
+    done.wait(5)
+    return lambda: count[0]
+
+
+# ---------------------------------------------------------- 9-11: shutdown and hand-back
+
+
+def warmed(table: Table, side: Side) -> Registry:
+    """A registry whose worker prefetches: short jobs first, then a slow one."""
+    registry = Registry(table)
+
+    @registry.task(name="quick")
+    def quick() -> None:
+        side.record("ran")
+
+    @registry.task(name="slow")
+    def slow(seconds: float) -> None:
+        side.record("started")
+        time.sleep(seconds)
+
+    return registry
+
+
+def _hold_prefetched(
+    engine: Engine, table: Table, raw: Raw, side: Side, run: Any, seconds: float
+) -> tuple[int, list[int]]:
+    """Warm the worker up on quick jobs, then give it a slow job first and ten
+    quick ones in the same transaction: it claims them together."""
+    warm = [enqueue(engine, table, "quick") for _ in range(20)]
+    wait_until(lambda: all(row(raw, table, j)["status"] == "done" for j in warm), 20, "warm-up")
+    with engine.begin() as conn:
+        slow = client.enqueue(conn, table, "slow", {"seconds": seconds}, priority=10)
+        quick = [client.enqueue(conn, table, "quick", {}, max_attempts=2) for _ in range(10)]
+    wait_until(lambda: side.events(slow), 10, "the slow job to start")
+    return slow, quick
+
+
+def test_prefetched_jobs_handed_back_at_shutdown_get_their_attempt_back(
+    engine: Engine, table: Table, raw: Raw, side: Side, database_url: str
+) -> None:
+    """Item 9: a job handed back without ever starting used to keep the attempt
+    its claim consumed; now `max_attempts` goes up by one (attempts never down)."""
+    with running(warmed(table, side), database_url, concurrency=1, shutdown_timeout=5) as run:
+        _slow, quick = _hold_prefetched(engine, table, raw, side, run, seconds=0.5)
+        run.stop()
+        assert run.join() == 0
+    for job_id in quick:
+        found = row(raw, table, job_id)
+        if found["status"] == "queued" and found["attempts"] == 1:
+            assert found["max_attempts"] == 3, found  # refunded: two tries remain
+            assert found["locked_until"] is None
+    assert statuses(raw, table).get("running", 0) == 0
+
+
+def test_shutdown_records_finished_jobs_and_hands_back_despite_dropped_connections(
+    engine: Engine, table: Table, raw: Raw, side: Side, database_url: str
+) -> None:
+    """Item 10: a dropped connection during shutdown used to make `Worker.run`
+    raise before handing jobs back (both stayed `running` with minutes of lease)."""
+    registry = Registry(table)
+
+    @registry.task(name="sleeps")
+    def sleeps(seconds: float) -> None:
+        side.record("started")
+        time.sleep(seconds)
+
+    short = enqueue(engine, table, "sleeps", {"seconds": 1.0})
+    long = enqueue(engine, table, "sleeps", {"seconds": 8.0})
+    with running(registry, database_url, concurrency=2, shutdown_timeout=3) as run:
+        wait_until(lambda: len(side.events()) == 2, 10, "both jobs to start")
+        run.stop()
+        wait_until(lambda: row(raw, table, short)["status"] == "done", 10, "the short job")
+        raw.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE application_name LIKE 'jobq worker %' AND datname = current_database()"
+        )
+        assert run.join() == 0
+    assert row(raw, table, short)["status"] == "done"
+    handed = row(raw, table, long)
+    assert (handed["status"], handed["attempts"], handed["locked_until"]) == ("queued", 1, None)
+
+
+def test_prefetched_jobs_behind_a_slow_one_go_to_an_idle_worker(
+    engine: Engine, table: Table, raw: Raw, side: Side, database_url: str
+) -> None:
+    """Item 11: two workers at -c 1, one busy with a slow job, used to leave its
+    prefetched jobs waiting while the other sat idle."""
+    registry = warmed(table, side)
+    with running(registry, database_url, concurrency=1) as first:
+        slow, quick = _hold_prefetched(engine, table, raw, side, first, seconds=4.0)
+        with running(registry, database_url, concurrency=1):
+            wait_until(
+                lambda: all(row(raw, table, j)["status"] == "done" for j in quick),
+                15,
+                "the quick jobs done",
+            )
+            assert row(raw, table, slow)["status"] == "running", "they waited for the slow one"
+        wait_until(lambda: row(raw, table, slow)["status"] == "done", 15, "the slow job")
+    for job_id in quick:
+        found = row(raw, table, job_id)
+        assert found["max_attempts"] - found["attempts"] >= 1, found  # handed back refunded
+
