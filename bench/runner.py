@@ -13,12 +13,14 @@ from typing import Any
 
 from . import common, enqueue, footprint, history, latency, throughput
 from .common import Bench
+from .result_cost import run as result_cost_run
 
 SUITE: dict[str, Callable[[Bench, Callable[[str], None]], dict[str, Any]]] = {
     "throughput": throughput.run,
     "latency": latency.run,
     "enqueue": enqueue.run,
     "history": history.run,
+    "results": result_cost_run,
     "footprint": footprint.run,
 }
 DEFAULT_JSON = common.REPO / "bench" / "results" / "latest.json"
@@ -269,6 +271,18 @@ def table(results: dict[str, Any]) -> list[Row]:
             h["ratio"],
             "<= 1.3x",
             h["ratio"] <= 1.3,
+        )
+    if "results" in results:
+        rc = results["results"]
+        rate = rc["jobs_per_s"]
+        vs(
+            "no-op throughput with results stored vs returning None",
+            rate["returning a result"],
+            rate["returning None"],
+            "/s",
+            rc["ratio"],
+            ">= 0.9x",
+            rc["ratio"] >= 0.9,
         )
     if "footprint" in results:
         f = results["footprint"]

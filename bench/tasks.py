@@ -15,6 +15,12 @@ def noop() -> None:
     """A plain (sync) function doing nothing: the worker's own cost, per job."""
 
 
+@registry.task(name="noop_result")
+def noop_result() -> dict[str, bool]:
+    """`noop` returning a small result, which the worker stores with the job."""
+    return {"ok": True}
+
+
 @registry.task(name="anoop")
 async def anoop() -> None:
     """The same as an `async def`."""

@@ -709,6 +709,37 @@ def cancel(table: Table, id: int) -> Update:
     )
 
 
+def mark_awaited(table: Table, id: int) -> Update:
+    """Ask for a NOTIFY when job `id` ends (see `sqla_jobq.waiting`); returns
+    its id if it was marked.
+
+    Only a queued or running job is marked, and only if no other session
+    holds its row locked right now: a waiter must never queue up behind a
+    worker's completion or an admin's transaction. Unmarked, the waiter polls
+    and marks again.
+    """
+    c = table.c
+    active = (
+        select(c.id)
+        .where(
+            c.id == bindparam("id", id, type_=BigInteger),
+            c.status.in_([_status_literal(s) for s in ACTIVE_STATUSES]),
+        )
+        .with_for_update(skip_locked=True)
+        .cte("active")
+    )
+    marked: ColumnElement[bool] = literal_column("true")
+    return update(table).where(_id_in(table, active)).values(awaited=marked).returning(c.id)
+
+
+def job_outcome(table: Table, id: int) -> Select[Any]:
+    """Job `id`'s status, stored result and last error: what a waiter returns or raises."""
+    c = table.c
+    return select(c.status, c.result, c.last_error).where(
+        c.id == bindparam("id", id, type_=BigInteger)
+    )
+
+
 def prune(
     table: Table,
     *,

@@ -1,0 +1,1 @@
+"""A small FastAPI shop whose orders get their receipts from sqla_jobq (see app.py)."""
