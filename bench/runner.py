@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from . import common, enqueue, footprint, history, latency, throughput
+from . import common, enqueue, footprint, history, latency, limits, throughput
 from .common import Bench
 from .result_cost import run as result_cost_run
 
@@ -20,6 +20,7 @@ SUITE: dict[str, Callable[[Bench, Callable[[str], None]], dict[str, Any]]] = {
     "latency": latency.run,
     "enqueue": enqueue.run,
     "history": history.run,
+    "limits": limits.run,
     "results": result_cost_run,
     "footprint": footprint.run,
 }
@@ -272,6 +273,23 @@ def table(results: dict[str, Any]) -> list[Row]:
             "<= 1.3x",
             h["ratio"] <= 1.3,
         )
+    if "results" in results:
+        rc = results["results"]
+        rate = rc["jobs_per_s"]
+        vs(
+            "no-op throughput with results stored vs returning None",
+            rate["returning a result"],
+            rate["returning None"],
+            "/s",
+            rc["ratio"],
+            ">= 0.9x",
+            rc["ratio"] >= 0.9,
+        )
+    if "limits" in results:
+        for name, f in results["limits"]["figures"].items():
+            goal = f["target"] == ">= 0.8x"
+            met = f["ratio"] >= 0.8 if goal else None
+            vs(f"throughput {name}", f["ours"], f["baseline"], "/s", f["ratio"], f["target"], met)
     if "results" in results:
         rc = results["results"]
         rate = rc["jobs_per_s"]

@@ -21,7 +21,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.pool import NullPool
 
-from . import client, statements
+from . import client, queue_statements, statements
 from .db import BadDatabaseURL, sqlalchemy_url
 from .errors import CONNECTION_ERRORS, USER_ERRORS, UsageError, describe_connection_error
 from .migrations import check_schema
@@ -233,9 +233,14 @@ def stats(
     target = parse_table(table)
     with checked(database_url, target) as conn:
         rows = [dict(r._mapping) for r in conn.execute(statements.stats(target))]
+        settings = [dict(r._mapping) for r in conn.execute(queue_statements.settings(target))]
+    by_queue = {s["queue"]: s for s in settings}
     for row in rows:
         age = row["oldest_ready_age"]
         row["oldest_ready_age"] = None if age is None else round(float(age), 3)
+        found = by_queue.get(row["queue"], {})
+        row["paused"] = found.get("paused", False)
+        row["concurrency_limit"] = found.get("concurrency_limit")
     if as_json:
         typer.echo(json.dumps(rows))
         return
@@ -246,6 +251,16 @@ def stats(
             f"{row['queue']:<20} {row['status']:<8} {row['count']:>8} {age:>17} "
             f"{row['expired_leases']:>8}"
         )
+    for found in settings:
+        typer.echo(_setting_line(found))
+
+def _setting_line(found: dict[str, Any]) -> str:
+    """`queue mail: paused, at most 2 running (1 now)`, one per paused or limited queue."""
+    words = ["paused"] if found["paused"] else []
+    if found["concurrency_limit"] is not None:
+        words.append(f"at most {found['concurrency_limit']} running ({found['running']} now)")
+    return f"queue {found['queue']}: {', '.join(words)}"
+
 
 
 @app.command()
@@ -344,6 +359,68 @@ def cancel(
     _one_job(
         database_url, table, lambda t: statements.cancel(t, job_id), f"no queued job {job_id}"
     )
+
+
+@app.command()
+@friendly
+def pause(
+    queue: Annotated[str, typer.Argument(metavar="QUEUE")],
+    database_url: DatabaseUrl = None,
+    table: TableName = "jobs",
+) -> None:
+    """Hand out none of QUEUE's jobs, to any worker, until `jobq resume`; running jobs finish."""
+    _queue_setting(database_url, table, lambda t: queue_statements.pause(t, queue))
+    typer.echo(f"queue {queue} paused")
+
+
+@app.command()
+@friendly
+def resume(
+    queue: Annotated[str, typer.Argument(metavar="QUEUE")],
+    database_url: DatabaseUrl = None,
+    table: TableName = "jobs",
+) -> None:
+    """Hand out QUEUE's jobs again (its concurrency limit, if any, still holds)."""
+    _queue_setting(database_url, table, lambda t: queue_statements.resume(t, queue))
+    typer.echo(f"queue {queue} resumed")
+
+
+queue_app = typer.Typer(no_args_is_help=True, help="A queue's settings (see also pause, resume).")
+app.add_typer(queue_app, name="queue")
+
+
+# ignore_unknown_options: `-1` is a (refused) limit, not an unknown option.
+@queue_app.command("limit", context_settings={"ignore_unknown_options": True})
+@friendly
+def queue_limit(
+    queue: Annotated[str, typer.Argument(metavar="QUEUE")],
+    limit: Annotated[str, typer.Argument(metavar="N", help="Jobs; 0 or none: no limit.")],
+    database_url: DatabaseUrl = None,
+    table: TableName = "jobs",
+) -> None:
+    """At most N of QUEUE's jobs running at once, across all workers (0 or none removes it)."""
+    n = parse_limit(limit)
+    build = queue_statements.set_concurrency_limit
+    _queue_setting(database_url, table, lambda t: build(t, queue, n))
+    typer.echo(f"queue {queue}: " + (f"at most {n} running at once" if n else "no limit"))
+
+
+def parse_limit(text: str) -> int | None:
+    """`N`, `0` or `none` (the last two: no limit)."""
+    if text.strip().lower() == "none":
+        return None
+    if not re.fullmatch(r"\s*[+-]?\d+\s*", text) or int(text) < 0:
+        raise UsageError(
+            f"bad limit {text!r}: use a whole number of jobs, or 0 or none to remove the limit"
+        )
+    return int(text) or None
+
+
+def _queue_setting(database_url: str | None, table: str, build: Callable[[Table], Any]) -> None:
+    target = parse_table(table)
+    stmt = build(target)  # bad input is refused before connecting
+    with checked(database_url, target) as conn:
+        conn.execute(stmt)
 
 
 @app.command()

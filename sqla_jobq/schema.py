@@ -154,6 +154,21 @@ class Names:
         return f"{self.table}_archived_at_idx"
 
     @property
+    def claim_slots(self) -> str:
+        """SQL function the claim asks how many jobs a queue may hand out now (schema version 5)."""
+        return f"{self.table}_claim_slots"
+
+    @property
+    def claim_quotas(self) -> str:
+        """SQL function: `claim_slots` of each queue a claim names, locks in one order (v5)."""
+        return f"{self.table}_claim_quotas"
+
+    @property
+    def queues_notify(self) -> str:
+        """Row trigger (and function) waking workers when a queue may hand out more (version 5)."""
+        return f"{self.table}_queues_notify"
+
+    @property
     def schedules(self) -> str:
         """One row per periodic task: its last fire time (schema version 4)."""
         return f"{self.table}_schedules"

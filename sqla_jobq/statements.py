@@ -49,17 +49,22 @@ from sqlalchemy import (
     bindparam,
     case,
     cast,
+    column,
     func,
     insert,
     literal_column,
     null,
     select,
     text,
+    true,
+    union_all,
     update,
 )
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, TIMESTAMP
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.sql.dml import ReturningInsert
+from sqlalchemy.sql.elements import quoted_name
+from sqlalchemy.sql.functions import Function
 
 from .schema import STATUSES, UNIQUE_WHERE, archive_table, names_of
 
@@ -388,25 +393,26 @@ def claim(
     with a hash over a sequential scan of the whole table on every claim. An
     array leaves it nothing to get wrong: primary-key lookups whatever the
     guess.
+
+    A queue's pause and concurrency limit (see `queue_statements`) hold here,
+    in the statement itself: its LIMIT is also capped by `<table>_claim_slots`,
+    which is NULL for a queue with no setting (the plan and cost stay those of
+    a plain claim), 0 for a paused one, and for a limited one its free slots,
+    counted under a lock only that queue's claimers share (schema step 5).
     """
     if limit < 1:
         raise ValueError(f"limit must be at least 1, got {limit}")
     c = table.c
-    ready = (
-        select(c.id)
-        .where(
-            _queue_filter(c.queue, queue),
-            status_is(c.status, "queued"),
-            c.run_at <= func.now(),
-        )
-        .order_by(c.priority.desc(), c.run_at, c.id)
-        .limit(bindparam("limit", limit, type_=Integer))
-        .with_for_update(skip_locked=True)
-        .cte("next")
-    )
+    clock = func.now()
+    take = bindparam("limit", limit, type_=Integer)
+    if isinstance(queue, str):
+        name = bindparam("queue", _text("queue", queue), type_=Text)
+        ready = _ready(table, c.queue == name, func.least(take, _slots(table, name)), clock)
+    else:
+        ready = _ready_among(table, queue, take, clock)
     return (
         update(table)
-        .where(_id_in(table, ready))
+        .where(_id_in(table, ready.cte("next")))
         .values(
             status=_status_literal("running"),
             attempts=c.attempts + 1,
@@ -415,6 +421,78 @@ def claim(
         )
         .returning(*claim_columns(table))
     )
+
+
+def _ready(
+    table: Table,
+    where: ColumnElement[bool],
+    cap: ColumnElement[int],
+    clock: ColumnElement[Any],
+    *columns: ColumnElement[Any],
+) -> Select[Any]:
+    """The first `cap` ready jobs `where` says, locked, skipping rows others hold."""
+    c = table.c
+    return (
+        select(*(columns or (c.id,)))
+        .where(where, status_is(c.status, "queued"), c.run_at <= clock)
+        .order_by(c.priority.desc(), c.run_at, c.id)
+        .limit(cap)
+        .with_for_update(skip_locked=True)
+    )
+
+
+def _slots(table: Table, queue: ColumnElement[str]) -> ColumnElement[int]:
+    """How many jobs `queue` may hand out now: NULL (no setting), 0 (paused),
+    or its free slots (see `migrations.steps._claim_slots_body`)."""
+    n = names_of(table)
+    schema = () if n.schema is None else (quoted_name(n.schema, quote=True),)
+    name = quoted_name(n.claim_slots, quote=True)
+    return Function(name, queue, type_=Integer, packagenames=schema)
+
+
+def _ready_among(
+    table: Table, queues: Sequence[str], take: ColumnElement[int], clock: ColumnElement[Any]
+) -> Select[Any]:
+    """`_ready` over several queues, each under its own pause and limit.
+
+    One call of `<table>_claim_quotas` gives each queue its slots (see
+    `_slots`), taking the limited queues' locks in one fixed order, so two
+    claims of overlapping lists cannot deadlock. The queues with no setting
+    share one scan, as a claim always did; each limited queue gets a scan of
+    its own, capped by its slots. The rows are merged in claim order and cut
+    to `take`; rows a limited queue's scan locked past that cut are left as
+    they were, their locks released at commit.
+    """
+    names = [_text("queue", q) for q in queues]
+    if not names:
+        raise InvalidJob("at least one queue name is required")
+    c = table.c
+    columns = (c.id, c.priority, c.run_at)
+    quotas = _quotas(table, bindparam("queues", names, type_=ARRAY(Text)))
+    free = select(quotas.c.queue_name).where(quotas.c.slots.is_(None)).scalar_subquery()
+    shared = _ready(table, c.queue == any_(func.array(free)), take, clock, *columns)
+    cap = func.least(take, func.coalesce(quotas.c.slots, literal_column("0", Integer)))
+    own = _ready(table, c.queue == quotas.c.queue_name, cap, clock, *columns).lateral("own")
+    limited = (
+        select(own.c.id, own.c.priority, own.c.run_at)
+        .select_from(quotas)
+        .join(own, true())
+        .where(quotas.c.slots.is_not(None))
+    )
+    merged = union_all(select(shared.subquery()), limited).subquery("ready")
+    m = merged.c
+    return select(m.id).order_by(m.priority.desc(), m.run_at, m.id).limit(take)
+
+
+def _quotas(table: Table, given: ColumnElement[Any]) -> Any:
+    """`(queue_name, slots)` of each given queue, once per claim (a CTE)."""
+    n = names_of(table)
+    schema = () if n.schema is None else (quoted_name(n.schema, quote=True),)
+    name = quoted_name(n.claim_quotas, quote=True)
+    rows = Function(name, given, packagenames=schema).table_valued(
+        column("queue_name", Text), column("slots", Integer)
+    )
+    return select(rows.c.queue_name, rows.c.slots).cte("quotas")
 
 
 def _fence(table: Table, job_id: int, attempts: int) -> tuple[ColumnElement[bool], ...]:

@@ -10,11 +10,12 @@ from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine, MetaData, text
 from sqlalchemy.engine import Connection
 
+from .. import queue_statements
 from ..migrations import SchemaError, schema_version
-from ..schema import Names
+from ..schema import QUEUES_VERSION, Names, jobs_table
 from .model import Facts, Row, Thresholds
 
 # The doctor must never be the long transaction it warns about, nor queue
@@ -169,7 +170,16 @@ def collect(conn: Connection, names: Names, thresholds: Thresholds) -> Facts:
         archive=archive[0] if archive else None,
         indexes=_rows(conn, _INDEXES, qualified),
         queues=_rows(conn, _queues_sql(names), _queue_params(thresholds)),
+        settings=_settings(conn, names, version),
     )
+
+def _settings(conn: Connection, names: Names, version: int) -> list[Row]:
+    """Paused and limited queues; a table older than their settings has none."""
+    if version < QUEUES_VERSION:
+        return []
+    table = jobs_table(MetaData(), names.table, names.schema)
+    return [dict(r._mapping) for r in conn.execute(queue_statements.settings(table))]
+
 
 
 def _rows(conn: Connection, sql: str, params: Mapping[str, Any] | None = None) -> list[Row]:

@@ -17,6 +17,7 @@ from .horizon import (
 )
 from .model import Facts, Finding, Thresholds, ok, warn
 from .queues import queue_findings
+from .settings import settings_findings
 from .table import dead_tuple_finding, index_findings, size_finding, statistics_finding
 from .units import secs
 
@@ -32,6 +33,7 @@ def judge(facts: Facts, names: Names, t: Thresholds) -> list[Finding]:
     prepared = prepared_findings(facts.prepared, t)
     slots = slot_findings(facts.slots, t)
     held_back = bool(sessions or prepared or slots)
+    paused = {s["queue"] for s in facts.settings if s["paused"]}
     return [
         _schema_finding(facts.schema_version),
         *_visibility_findings(facts.hidden_sessions),
@@ -53,7 +55,8 @@ def judge(facts: Facts, names: Names, t: Thresholds) -> list[Finding]:
         statistics_finding(facts, names),
         size_finding(facts),
         *index_findings(facts.indexes, names),
-        *queue_findings(facts.queues, names, t),
+        *queue_findings(facts.queues, names, t, paused),
+        *settings_findings(facts.settings, facts.checked_at),
     ]
 
 

@@ -67,6 +67,8 @@ CHECKS = (
     "lease_nearly_used",
     "lease_expired_recently",
     "failed_recently",
+    "paused_queue",
+    "concurrency_limit",
 )
 
 Level = Literal["ok", "warn"]
@@ -128,6 +130,7 @@ class Facts:
     archive: Row | None
     indexes: list[Row]
     queues: list[Row]
+    settings: list[Row] = field(default_factory=list)  # paused or limited queues
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ recently outlived their lease or failed for good, each with example ids."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,8 +56,10 @@ _QUEUE_CHECKS = (
 )
 
 
-def queue_findings(queues: Sequence[Row], names: Names, t: Thresholds) -> list[Finding]:
-    backlog = [_backlog_finding(q, t) for q in queues] or [
+def queue_findings(
+    queues: Sequence[Row], names: Names, t: Thresholds, paused: Collection[str] = ()
+) -> list[Finding]:
+    backlog = [_backlog_finding(q, t, q["queue"] in paused) for q in queues] or [
         ok("ready_backlog", "queues", "the table holds no jobs")
     ]
     words = {
@@ -85,7 +87,7 @@ def _counted_finding(spec: _QueueCheck, q: Row, words: Mapping[str, Any]) -> Fin
     )
 
 
-def _backlog_finding(q: Row, t: Thresholds) -> Finding:
+def _backlog_finding(q: Row, t: Thresholds, paused: bool) -> Finding:
     oldest = q["oldest_ready_seconds"]
     waiting = "none waiting" if oldest is None else f"oldest waiting {secs(oldest)}"
     summary = f"ready {q['ready']:,}, {waiting}; running {q['running']:,}"
@@ -96,6 +98,8 @@ def _backlog_finding(q: Row, t: Thresholds) -> Finding:
         "running": q["running"],
     }
     subject = f"queue {q['queue']}"
+    if paused:  # the paused_queue check says whether that backlog grows
+        return ok("ready_backlog", subject, f"{summary} (paused)", data)
     if oldest is not None and oldest >= t.oldest_ready_seconds:
         advice = f"no worker takes queue {q['queue']!r}, or too few: start (more) workers for it"
         return warn("ready_backlog", subject, summary, advice, data)

@@ -224,6 +224,114 @@ def _v4_down(n: Names) -> list[str]:
     ]
 
 
+def _claim_slots_body(n: Names) -> str:
+    """How many jobs a claim may take from `queue_name` now: NULL (no setting:
+    the claim's own limit alone), 0 (paused), or its limit minus its running
+    jobs. Claimers of one limited queue take turns on a transaction-level
+    advisory lock, held until they commit; each then counts in a snapshot of
+    its own, taken after its turn began, so it sees every claim committed
+    before. (The claim statement's snapshot predates its wait for the lock:
+    counting there would miss the claim it waited for, and over-admit.)"""
+    queues, key = n.queues_qualified, quote_literal(n.qualified)
+    return f"""
+DECLARE
+  halted boolean;
+  cap int;
+  busy bigint;
+BEGIN
+  SELECT paused, concurrency_limit INTO halted, cap FROM {queues} WHERE name = queue_name;
+  IF halted THEN
+    RETURN 0;
+  ELSIF cap IS NULL THEN
+    RETURN NULL;
+  ELSIF current_setting('transaction_isolation') <> 'read committed' THEN
+    RAISE EXCEPTION 'queue % has a concurrency limit: claim it under READ COMMITTED', queue_name;
+  END IF;
+  PERFORM pg_advisory_xact_lock(hashtext({key}), hashtext(queue_name));
+  SELECT paused, concurrency_limit INTO halted, cap FROM {queues} WHERE name = queue_name;
+  IF halted THEN
+    RETURN 0;
+  ELSIF cap IS NULL THEN
+    RETURN NULL;
+  END IF;
+  SELECT count(*) INTO busy FROM {n.qualified} WHERE queue = queue_name AND status = 'running';
+  RETURN greatest(cap - busy, 0);
+END;
+"""
+
+
+def _claim_quotas_body(n: Names) -> str:
+    """`claim_slots` of each distinct queue named, NULL for the queues with no
+    setting without calling it. The limited queues' locks are taken in the
+    order of their keys, the same in every claim, so two claims of
+    overlapping lists cannot deadlock whatever order they list them in."""
+    return f"""
+DECLARE
+  halted boolean;
+  cap int;
+BEGIN
+  FOR queue_name, halted, cap IN
+    SELECT g.name, s.paused, s.concurrency_limit
+    FROM (SELECT DISTINCT unnest(queue_names) AS name) AS g
+    LEFT JOIN {n.queues_qualified} AS s ON s.name = g.name
+    ORDER BY hashtext(g.name), g.name
+  LOOP
+    slots := CASE WHEN halted OR cap IS NOT NULL
+                  THEN {qualify(n.schema, n.claim_slots)}(queue_name) END;
+    RETURN NEXT;
+  END LOOP;
+END;
+"""
+
+
+def _grant_queues_body(n: Names) -> str:
+    """Every role that may read the jobs table may read the queue settings:
+    its claims read them, so an upgrade must not lock its workers out."""
+    queues = quote_literal(n.queues_qualified)
+    return f"""
+DECLARE
+  grantee text;
+BEGIN
+  FOR grantee IN
+    SELECT DISTINCT CASE a.grantee WHEN 0 THEN 'PUBLIC' ELSE a.grantee::regrole::text END
+    FROM pg_class c, aclexplode(c.relacl) a
+    WHERE c.oid = {quote_literal(n.qualified)}::regclass
+      AND a.privilege_type = 'SELECT' AND a.grantee <> c.relowner
+  LOOP
+    EXECUTE format('GRANT SELECT ON %s TO %s', {queues}, grantee);
+  END LOOP;
+END;
+"""
+
+
+def _queues_notify_body(n: Names) -> str:
+    # The jobs table's channel (see _CHANNEL): it lives in the same schema.
+    return f"""
+BEGIN
+  PERFORM pg_notify(TG_TABLE_SCHEMA || '.' || {quote_literal(n.table)}, NEW.name);
+  RETURN NULL;
+END;
+"""
+
+
+def _v5_queue_control(n: Names) -> list[str]:
+    """The claim's gate, and a wake-up for workers when a queue is resumed or
+    its limit changes, so they claim at once rather than at their next poll."""
+    slots, notify = qualify(n.schema, n.claim_slots), qualify(n.schema, n.queues_notify)
+    quotas = qualify(n.schema, n.claim_quotas)
+    return [
+        f"CREATE FUNCTION {slots}(queue_name text) RETURNS int LANGUAGE plpgsql VOLATILE "
+        f"AS {quote_literal(_claim_slots_body(n))}",
+        f"CREATE FUNCTION {quotas}(queue_names text[]) "
+        "RETURNS TABLE (queue_name text, slots int) LANGUAGE plpgsql VOLATILE "
+        f"AS {quote_literal(_claim_quotas_body(n))}",
+        _function(notify, _queues_notify_body(n)),
+        f"CREATE TRIGGER {quote_ident(n.queues_notify)} AFTER INSERT OR UPDATE "
+        f"ON {n.queues_qualified} FOR EACH ROW WHEN (NOT NEW.paused) EXECUTE FUNCTION {notify}()",
+        f"DO {quote_literal(_grant_queues_body(n))}",
+    ]
+
+
 STEPS: tuple[Step, ...] = (
     Step(
         1,
