@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from . import common, enqueue, footprint, history, latency, limits, throughput
+from . import common, enqueue, footprint, history, latency, limits, observers, throughput
 from .common import Bench
 from .result_cost import run as result_cost_run
 
@@ -23,6 +23,7 @@ SUITE: dict[str, Callable[[Bench, Callable[[str], None]], dict[str, Any]]] = {
     "limits": limits.run,
     "results": result_cost_run,
     "footprint": footprint.run,
+    "observers": observers.run,
 }
 DEFAULT_JSON = common.REPO / "bench" / "results" / "latest.json"
 
@@ -329,6 +330,37 @@ def table(results: dict[str, Any]) -> list[Row]:
             None,
         )
         add("worker CPU per 10k jobs", _fmt(f["worker_cpu_s_per_10k"], " s"), "", "", "", None)
+    if "observers" in results:
+        o = results["observers"]
+        rate, base = o["jobs_per_s"], o["jobs_per_s"][observers.BASELINE]
+        with_metrics = "worker 1x8 --metrics-port"
+        metrics = o["ratios"][with_metrics]
+        vs(
+            "throughput with --metrics-port vs without",
+            rate[with_metrics],
+            base,
+            "/s",
+            metrics,
+            ">= 0.95x",
+            metrics >= 0.95,
+        )
+        cpu = o["cpu_us_per_job"]
+        vs(
+            "worker CPU per job with --metrics-port vs without",
+            cpu[with_metrics],
+            cpu[observers.BASELINE],
+            " us",
+            o["cpu_ratios"][with_metrics],
+        )
+        with_otel = "worker 1x8 --otel (no provider)"
+        vs(
+            "throughput with --otel, no provider, vs without",
+            rate[with_otel],
+            base,
+            "/s",
+            o["ratios"][with_otel],
+            "(why --otel is not implied)",
+        )
     return rows
 
 

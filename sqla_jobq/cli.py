@@ -227,13 +227,25 @@ def _registered(
 @app.command()
 @friendly
 def stats(
-    database_url: DatabaseUrl = None, table: TableName = "jobs", as_json: AsJson = False
+    database_url: DatabaseUrl = None,
+    table: TableName = "jobs",
+    as_json: AsJson = False,
+    workers: Annotated[
+        bool, typer.Option("--workers", help="Only the registered workers, stale ones flagged.")
+    ] = False,
 ) -> None:
-    """Jobs per queue and status, the oldest ready job's age, expired leases."""
+    """Jobs per queue and status, the oldest ready job's age, expired leases; workers."""
+    from . import worker_report
+
     target = parse_table(table)
     with checked(database_url, target) as conn:
         rows = [dict(r._mapping) for r in conn.execute(statements.stats(target))]
         settings = [dict(r._mapping) for r in conn.execute(queue_statements.settings(target))]
+        registered = worker_report.collect(conn, target)
+    if workers:
+        shown = worker_report.to_json(registered)
+        typer.echo(json.dumps(shown) if as_json else worker_report.render_text(registered))
+        return
     by_queue = {s["queue"]: s for s in settings}
     for row in rows:
         age = row["oldest_ready_age"]
@@ -253,6 +265,7 @@ def stats(
         )
     for found in settings:
         typer.echo(_setting_line(found))
+    typer.echo(f"\n{worker_report.render_text(registered)}")
 
 def _setting_line(found: dict[str, Any]) -> str:
     """`queue mail: paused, at most 2 running (1 now)`, one per paused or limited queue."""
@@ -496,6 +509,27 @@ def worker(
     log_level: Annotated[
         str, typer.Option(envvar="JOBQ_LOG_LEVEL", help="DEBUG, INFO, WARNING.")
     ] = "INFO",
+    metrics_port: Annotated[
+        int | None,
+        typer.Option(
+            envvar="JOBQ_METRICS_PORT",
+            help="Serve Prometheus /metrics on this port (extra 'metrics').",
+            show_default=False,
+        ),
+    ] = None,
+    metrics_host: Annotated[
+        str, typer.Option(envvar="JOBQ_METRICS_HOST", help="Address for --metrics-port.")
+    ] = "127.0.0.1",
+    otel: Annotated[
+        bool | None,
+        typer.Option(
+            "--otel/--no-otel",
+            envvar="JOBQ_OTEL",
+            help="OpenTelemetry span per attempt (extra 'otel') [default: on when the app "
+            "configured a tracer provider].",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Run the tasks of MODULE:ATTR: claim, execute, complete, retry, reap."""
     import asyncio
@@ -503,6 +537,7 @@ def worker(
     import os
     import threading
 
+    from .instrument import worker_observers
     from .registry import load_registry
     from .worker import Worker, WorkerOptions
 
@@ -529,7 +564,8 @@ def worker(
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     registry = load_registry(app_spec)
-    code = asyncio.run(Worker(registry, options).run())
+    observers = worker_observers(metrics_port, metrics_host, otel)
+    code = asyncio.run(Worker(registry, options, observers).run())
     logging.shutdown()
     if threading.active_count() > 1:
         # A sync handler still running past the shutdown timeout: its job was

@@ -21,7 +21,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session
 
-from . import statements
+from . import statements, traceparent
 from .statements import NewJob
 
 Executor = Connection | Session
@@ -37,8 +37,9 @@ def enqueue(conn: Executor, table: Table, task: str | None, payload: Any, **opti
 
     With a unique key, a concurrent duplicate committed while we waited is not
     visible to the first attempt's snapshot; the second attempt sees it.
+    The current span's trace context, if any, is stored with the job.
     """
-    stmt = statements.enqueue(table, task, payload, **options)
+    stmt = statements.enqueue(table, task, payload, **_traced(options))
     for _ in range(2):
         job_id = conn.execute(stmt).scalar()
         if job_id is not None:
@@ -46,28 +47,38 @@ def enqueue(conn: Executor, table: Table, task: str | None, payload: Any, **opti
     raise RuntimeError("enqueue with unique_key found neither a new nor an existing job")
 
 
+def _traced(options: dict[str, Any]) -> dict[str, Any]:
+    """`options` with the current span's traceparent, unless one was given."""
+    return {"traceparent": traceparent.current(), **options}
+
+
 def enqueue_many(conn: Executor, table: Table, rows: Iterable[NewJob]) -> list[int]:
     """Insert many jobs, returning ids in input order: with COPY when they are
     many plain jobs on a psycopg connection, else one round trip per page."""
     rows = list(rows)
-    copied = _copy_many(conn, table, rows)
+    trace = traceparent.current()
+    copied = _copy_many(conn, table, rows, trace)
     if copied is not None:
         return copied
     ids: list[int] = []
-    for page, stmt in _pages(table, rows):
+    for page, stmt in _pages(table, rows, trace):
         found = list(conn.execute(stmt).scalars())
         missing = _missing(found)
         if missing:  # as in `enqueue`: a duplicate committed while we waited
-            again = conn.execute(statements.enqueue_many(table, [page[i] for i in missing]))
+            again = conn.execute(
+                statements.enqueue_many(table, [page[i] for i in missing], trace)
+            )
             found = _filled(found, missing, again.scalars())
         ids += _ids(found)
     return ids
 
 
-def _pages(table: Table, rows: list[NewJob]) -> list[tuple[list[NewJob], Any]]:
+def _pages(
+    table: Table, rows: list[NewJob], trace: str | None
+) -> list[tuple[list[NewJob], Any]]:
     """Every page's statement, built (so every row checked) before any is sent."""
     pages = [rows[start : start + ENQUEUE_PAGE] for start in range(0, len(rows), ENQUEUE_PAGE)]
-    return [(page, statements.enqueue_many(table, page)) for page in pages]
+    return [(page, statements.enqueue_many(table, page, trace)) for page in pages]
 
 
 def _missing(found: list[Any]) -> list[int]:
@@ -81,11 +92,13 @@ def _filled(found: list[Any], missing: list[int], again: Iterable[Any]) -> list[
     return found
 
 
-def _copy_many(conn: Executor, table: Table, rows: list[NewJob]) -> list[int] | None:
+def _copy_many(
+    conn: Executor, table: Table, rows: list[NewJob], trace: str | None
+) -> list[int] | None:
     """The COPY path of `enqueue_many`, or None when it does not apply."""
     if len(rows) < COPY_MIN_ROWS:
         return None
-    values = statements.copy_rows(rows)
+    values = statements.copy_rows(rows, trace)
     connection = conn.connection() if isinstance(conn, Session) else conn
     driver = connection.connection.driver_connection
     if values is None or not isinstance(driver, psycopg.Connection):
@@ -103,12 +116,12 @@ def _copy_many(conn: Executor, table: Table, rows: list[NewJob]) -> list[int] | 
 
 
 async def _copy_many_async(
-    conn: AsyncExecutor, table: Table, rows: list[NewJob]
+    conn: AsyncExecutor, table: Table, rows: list[NewJob], trace: str | None
 ) -> list[int] | None:
     """`_copy_many` on an `AsyncConnection` or `AsyncSession`."""
     if len(rows) < COPY_MIN_ROWS:
         return None
-    values = statements.copy_rows(rows)
+    values = statements.copy_rows(rows, trace)
     connection = await conn.connection() if isinstance(conn, AsyncSession) else conn
     driver = (await connection.get_raw_connection()).driver_connection
     if values is None or not isinstance(driver, psycopg.AsyncConnection):
@@ -139,7 +152,7 @@ async def enqueue_async(
     conn: AsyncExecutor, table: Table, task: str | None, payload: Any, **options: Any
 ) -> int:
     """`enqueue` on an `AsyncConnection` or `AsyncSession`."""
-    stmt = statements.enqueue(table, task, payload, **options)
+    stmt = statements.enqueue(table, task, payload, **_traced(options))
     for _ in range(2):
         job_id = (await conn.execute(stmt)).scalar()
         if job_id is not None:
@@ -152,15 +165,18 @@ async def enqueue_many_async(
 ) -> list[int]:
     """`enqueue_many` on an `AsyncConnection` or `AsyncSession`."""
     rows = list(rows)
-    copied = await _copy_many_async(conn, table, rows)
+    trace = traceparent.current()
+    copied = await _copy_many_async(conn, table, rows, trace)
     if copied is not None:
         return copied
     ids: list[int] = []
-    for page, stmt in _pages(table, rows):
+    for page, stmt in _pages(table, rows, trace):
         found = list((await conn.execute(stmt)).scalars())
         missing = _missing(found)
         if missing:  # as in `enqueue`: a duplicate committed while we waited
-            again = await conn.execute(statements.enqueue_many(table, [page[i] for i in missing]))
+            again = await conn.execute(
+                statements.enqueue_many(table, [page[i] for i in missing], trace)
+            )
             found = _filled(found, missing, again.scalars())
         ids += _ids(found)
     return ids

@@ -207,8 +207,12 @@ def enqueue(
     priority: int = 0,
     max_attempts: int = 5,
     unique_key: str | None = None,
+    traceparent: str | None = None,
 ) -> ReturningInsert[Any] | CompoundSelect[Any]:
     """One job; selects its id.
+
+    `traceparent`: the W3C trace context the job was enqueued in (`client`
+    passes the current span's, see `sqla_jobq.traceparent`), stored with it.
 
     With a `unique_key`, a duplicate of a queued or running job inserts nothing
     and selects the existing job's id (the partial unique index decides, so
@@ -231,6 +235,8 @@ def enqueue(
         values["run_at"] = run_at
     elif delay is not None:
         values["run_at"] = func.now() + bindparam("delay", delay, type_=Interval)
+    if traceparent is not None:
+        values["traceparent"] = _check_traceparent(traceparent)
     insert = pg_insert(table).values(**values)
     if unique_key is None:
         return insert.returning(c.id)
@@ -245,7 +251,19 @@ def enqueue(
     return select(inserted.c.id).union_all(existing).limit(1)
 
 
-def enqueue_many(table: Table, rows: Iterable[NewJob]) -> TextualSelect:
+# W3C trace context, version 00: 2 hex, 32 hex trace id, 16 hex span id, 2 hex flags.
+_TRACEPARENT = re.compile(r"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
+
+
+def _check_traceparent(value: str) -> str:
+    if not isinstance(value, str) or _TRACEPARENT.fullmatch(value) is None:
+        raise InvalidJob(f"traceparent must look like 00-<32 hex>-<16 hex>-<2 hex>, got {value!r}")
+    return value
+
+
+def enqueue_many(
+    table: Table, rows: Iterable[NewJob], traceparent: str | None = None
+) -> TextualSelect:
     """Many jobs in one statement; selects one id per row, in input order.
 
     The rows travel as one array per column and are unnested server-side, so a
@@ -255,6 +273,8 @@ def enqueue_many(table: Table, rows: Iterable[NewJob]) -> TextualSelect:
     """
     rows = list(rows)
     encoded = [_check_job(row) for row in rows]
+    if traceparent is not None:
+        _check_traceparent(traceparent)
     names = names_of(table)
     # No joins between the CTEs: a page is prepared server-side after a few
     # executions, and PostgreSQL's generic plan, which cannot see the arrays'
@@ -274,9 +294,9 @@ WITH input AS (
 ),
 inserted AS (
   INSERT INTO {names.qualified}
-    (task, payload, queue, run_at, priority, max_attempts, unique_key)
+    (task, payload, queue, run_at, priority, max_attempts, unique_key, traceparent)
   SELECT task, payload::jsonb, queue, coalesce(run_at, now() + coalesce(delay, interval '0')),
-         priority, max_attempts, unique_key
+         priority, max_attempts, unique_key, CAST(:traceparent AS text)
   FROM input ORDER BY ord
   ON CONFLICT (unique_key) WHERE {UNIQUE_WHERE} DO NOTHING
   RETURNING id, unique_key
@@ -311,6 +331,7 @@ ORDER BY input.ord
             bindparam("priority", [r.priority for r in rows], type_=ARRAY(Integer)),
             bindparam("max_attempts", [r.max_attempts for r in rows], type_=ARRAY(Integer)),
             bindparam("unique_key", [r.unique_key for r in rows], type_=ARRAY(Text)),
+            bindparam("traceparent", traceparent, type_=Text),
         )
         .columns(id=BigInteger)
     )
@@ -318,7 +339,7 @@ ORDER BY input.ord
 
 # COPY, for `client.enqueue_many`'s bulk path, writes these columns; every
 # other column takes its default (status 'queued', run_at and created_at now()).
-COPY_COLUMNS = ("id", "task", "payload", "queue", "priority", "max_attempts")
+COPY_COLUMNS = ("id", "task", "payload", "queue", "priority", "max_attempts", "traceparent")
 
 
 def reserve_ids(table: Table, count: int) -> TextualSelect:
@@ -356,7 +377,9 @@ def copy_command(table: Table) -> str:
     return f"COPY {names_of(table).qualified} ({', '.join(COPY_COLUMNS)}) FROM STDIN"
 
 
-def copy_rows(rows: Iterable[NewJob]) -> list[tuple[Any, ...]] | None:
+def copy_rows(
+    rows: Iterable[NewJob], traceparent: str | None = None
+) -> list[tuple[Any, ...]] | None:
     """The rows for `copy_command`, each still missing its id in front, checked
     as `enqueue_many` checks them; or None when some row needs `enqueue_many`
     itself: a unique key (COPY has no ON CONFLICT), or a `run_at` or `delay`
@@ -364,7 +387,9 @@ def copy_rows(rows: Iterable[NewJob]) -> list[tuple[Any, ...]] | None:
     rows = list(rows)
     if any(r.unique_key is not None or r.run_at is not None or r.delay is not None for r in rows):
         return None  # decided before encoding anything: `enqueue_many` encodes them then
-    return [(r.task, _check_job(r), r.queue, r.priority, r.max_attempts) for r in rows]
+    if traceparent is not None:
+        _check_traceparent(traceparent)
+    return [(r.task, _check_job(r), r.queue, r.priority, r.max_attempts, traceparent) for r in rows]
 
 
 def claim_columns(table: Table) -> tuple[ColumnElement[Any], ...]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -20,6 +20,7 @@ from psycopg.rows import dict_row
 
 from sqla_jobq import Registry, current_job
 from sqla_jobq.db import conninfo
+from sqla_jobq.observe import Observer
 from sqla_jobq.worker import Worker, WorkerOptions
 
 SIDE_DDL = """CREATE TABLE IF NOT EXISTS "{side}" (
@@ -101,9 +102,11 @@ class Running:
 
 
 @contextmanager
-def running(registry: Registry, url: str, **options: Any) -> Iterator[Running]:
+def running(
+    registry: Registry, url: str, observers: Sequence[Observer] = (), **options: Any
+) -> Iterator[Running]:
     """Run a Worker until the block ends (then stop it and wait for it)."""
-    run = Running(Worker(registry, WorkerOptions(database_url=url, **options)))
+    run = Running(Worker(registry, WorkerOptions(database_url=url, **options), observers))
     run.thread.start()
     run.started.wait(30)
     try:
@@ -114,9 +117,16 @@ def running(registry: Registry, url: str, **options: Any) -> Iterator[Running]:
         run.thread.join(60)
 
 
-def burst(registry: Registry, url: str, timeout: float = 60, **options: Any) -> int:
+def burst(
+    registry: Registry,
+    url: str,
+    timeout: float = 60,
+    observers: Sequence[Observer] = (),
+    **options: Any,
+) -> int:
     """Run a burst worker until nothing is ready; its exit status."""
-    run = Running(Worker(registry, WorkerOptions(database_url=url, burst=True, **options)))
+    options = {"database_url": url, "burst": True, **options}
+    run = Running(Worker(registry, WorkerOptions(**options), observers))
     run.thread.start()
     return run.join(timeout)
 

@@ -16,7 +16,7 @@ from starlette.middleware import Middleware
 from starlette.routing import BaseRoute, Mount
 from starlette.staticfiles import StaticFiles
 
-from . import actions, auth, csrf, errors, health, metrics, pages
+from . import actions, auth, csrf, errors, health, metrics, pages, workers
 from .context import Dashboard
 from .render import environment
 from .store import Store
@@ -30,6 +30,7 @@ def create_app(
     dashboard = Dashboard(Store(engine, table), environment(), read_only, auth_token)
     routes: list[BaseRoute] = [
         *pages.routes(dashboard),
+        *workers.routes(dashboard),
         *health.routes(dashboard),
         *metrics.routes(dashboard),
         Mount("/static", StaticFiles(packages=[("sqla_jobq.dashboard", "static")]), name="static"),

@@ -14,10 +14,11 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+import psycopg
 from sqlalchemy import Connection, Engine, Row, RowMapping, Table, select
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import IntegrityError, ProgrammingError
 
-from .. import statements
+from .. import presence, statements
 from . import queries
 from .filters import Cursor, JobFilter
 
@@ -76,6 +77,17 @@ class Store:
         """`jobq stats`'s rows, as mappings: a Row's `count` is tuple.count."""
         with self.engine.connect() as conn:
             return conn.execute(statements.stats(self.table)).mappings().all()
+
+    def workers(self) -> Sequence[Row[Any]] | None:
+        """The registered workers, live first; None when the table predates
+        the worker registry (schema version 5)."""
+        try:
+            with self.engine.connect() as conn:
+                return conn.execute(presence.listing(self.table)).all()
+        except ProgrammingError as exc:
+            if isinstance(exc.orig, psycopg.errors.UndefinedTable):
+                return None
+            raise
 
     def page(self, flt: JobFilter, cursor: Cursor) -> Page:
         with self.engine.connect() as conn:
