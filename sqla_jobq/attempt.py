@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -48,6 +49,11 @@ class Outcome:
 
     error: str | None = None
     exc: BaseException | None = field(default=None, repr=False)
+    # What the handler returned (stored with the job when not None).
+    result: object = field(default=None, repr=False)
+    # A transactional task completed its job in its own transaction (done),
+    # or found it was no longer its own there (lost): nothing left to record.
+    settled: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -59,6 +65,8 @@ class Cancel(enum.Enum):
 
     LOST = "lease lost"
     SHUTDOWN = "worker shutting down"
+    CANCELLED = "cancelled"
+    TIMEOUT = "timed out"
 
 
 @dataclass(eq=False)
@@ -75,6 +83,8 @@ class Attempt:
     outcome: Outcome | None = None
     cancelled: Cancel | None = None
     handler: asyncio.Task[Any] | None = field(default=None, repr=False)
+    # Shared with the handler's `current_job()`, so a sync handler sees a cancel.
+    cancel_event: threading.Event = field(default_factory=threading.Event, repr=False)
 
     @classmethod
     def claimed(cls, row: dict[str, Any], lease: timedelta, claim_lease: timedelta) -> Attempt:
@@ -108,8 +118,9 @@ class Attempt:
 
     def finish(self, outcome: Outcome) -> bool:
         """Keep the handler's outcome to record; False if the attempt was
-        settled meanwhile (lost or handed back): then the outcome is dropped."""
-        if self.state.settled:
+        settled meanwhile (lost, handed back, cancelled) or already finished
+        (a sync handler that outlived its timeout): then the outcome is dropped."""
+        if self.state.settled or self.state is State.FINISHED:
             return False
         self._leave(State.STARTED)
         self.state = State.FINISHED
@@ -133,6 +144,7 @@ class Attempt:
         `CancelledError` means (anything else raising it is a failure)."""
         if self.cancelled is None:
             self.cancelled = why
+        self.cancel_event.set()
         if self.handler is not None:
             self.handler.cancel()
 

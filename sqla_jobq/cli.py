@@ -24,7 +24,7 @@ from sqlalchemy.pool import NullPool
 from . import client, queue_statements, statements
 from .db import BadDatabaseURL, sqlalchemy_url
 from .errors import CONNECTION_ERRORS, USER_ERRORS, UsageError, describe_connection_error
-from .migrations import check_schema
+from .migrations.check import check_schema
 from .schema import jobs_table, names_of
 
 app = typer.Typer(
@@ -78,11 +78,14 @@ def require_url(url: str | None) -> str:
         raise UsageError("no database: pass --database-url or set JOBQ_DATABASE_URL")
     if url == "embedded":
         from .embedded import EmbeddedError, embedded_url
+        from .migrations.runner import migrate_to_latest
 
         try:
             url = embedded_url()
         except EmbeddedError as exc:
             raise UsageError(str(exc)) from None
+        # A server started for trying the queue out: give it the default table.
+        migrate_to_latest(sqlalchemy_url(url), jobs_table(MetaData()))
     return sqlalchemy_url(url)
 
 
@@ -212,7 +215,7 @@ def _registered(
     app_spec: str, task: str, kwargs: Any, queue: str | None, priority: int | None
 ) -> tuple[Table, dict[str, Any], dict[str, Any]]:
     """Table, checked payload and defaults of a task known to the app's Registry."""
-    from .registry import load_registry
+    from .loader import load_registry
 
     registry = load_registry(app_spec)
     known = registry.require(task)
@@ -267,13 +270,13 @@ def stats(
         typer.echo(_setting_line(found))
     typer.echo(f"\n{worker_report.render_text(registered)}")
 
+
 def _setting_line(found: dict[str, Any]) -> str:
     """`queue mail: paused, at most 2 running (1 now)`, one per paused or limited queue."""
     words = ["paused"] if found["paused"] else []
     if found["concurrency_limit"] is not None:
         words.append(f"at most {found['concurrency_limit']} running ({found['running']} now)")
     return f"queue {found['queue']}: {', '.join(words)}"
-
 
 
 @app.command()
@@ -335,11 +338,10 @@ def retry(
     database_url: DatabaseUrl = None,
     table: TableName = "jobs",
 ) -> None:
-    """A failed job back to queued now, with one more attempt (attempts is kept)."""
+    """A failed or cancelled job back to queued now, with one more attempt (attempts is kept)."""
+    missing = f"no failed or cancelled job {job_id}"
     try:
-        _one_job(
-            database_url, table, lambda t: statements.retry(t, job_id), f"no failed job {job_id}"
-        )
+        _one_job(database_url, table, lambda t: statements.retry(t, job_id), missing)
     except IntegrityError as exc:
         raise _unique_key_held(database_url, parse_table(table), job_id, exc) from None
 
@@ -368,10 +370,14 @@ def cancel(
     database_url: DatabaseUrl = None,
     table: TableName = "jobs",
 ) -> None:
-    """A queued job to failed with last_error = 'cancelled'."""
-    _one_job(
-        database_url, table, lambda t: statements.cancel(t, job_id), f"no queued job {job_id}"
-    )
+    """A queued or running job to cancelled (a running one's worker stops it)."""
+    target = parse_table(table)
+    with checked(database_url, target) as conn:
+        row = conn.execute(statements.cancel(target, job_id)).first()
+    if row is None:
+        raise fail(f"no queued or running job {job_id}", code=1)
+    note = " (its worker stops it at its next heartbeat)" if row.was == "running" else ""
+    typer.echo(f"{row.id} cancelled{note}")
 
 
 @app.command()
@@ -538,7 +544,7 @@ def worker(
     import threading
 
     from .instrument import worker_observers
-    from .registry import load_registry
+    from .loader import load_registry
     from .worker import Worker, WorkerOptions
 
     level = logging.getLevelName(log_level.upper())
@@ -590,7 +596,8 @@ def demo(
     ] = None,
 ) -> None:
     """The article's naive claim racing, SKIP LOCKED fixing it, and a lease running out."""
-    from .demo import RichScreen, embedded_left_as_found, run_demo
+    from .demo import embedded_left_as_found, run_demo
+    from .demo_screen import RichScreen
 
     with embedded_left_as_found(enabled=not database_url):
         url = require_url(database_url or "embedded")
@@ -628,7 +635,7 @@ def cron(
     """Periodic tasks: each schedule, its last and next fire times, and its last job."""
     from datetime import UTC, datetime
 
-    from .registry import load_registry
+    from .loader import load_registry
     from .schedule_report import collect, render_text, to_json
 
     registry = load_registry(app_spec)
@@ -678,37 +685,6 @@ def dashboard(
         auth_token=auth_token,
         announce=typer.echo,
     )
-
-
-@app.command()
-def bench(
-    rounds: Annotated[int, typer.Option(min=1, help="Rounds per figure (the median).")] = 3,
-    quick: Annotated[bool, typer.Option(help="Smoke run with small sizes.")] = False,
-    only: Annotated[
-        list[str] | None, typer.Option(help="Only this benchmark (repeatable).")
-    ] = None,
-    json_path: Annotated[
-        str | None, typer.Option("--json", help="Results file (default bench/results/latest.json).")
-    ] = None,
-) -> None:
-    """Run the benchmark suite of a source checkout (the same as `python -m bench`)."""
-    import importlib
-    import os
-
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        runner = importlib.import_module("bench.runner")
-    except ImportError:
-        raise fail(
-            "the benchmarks live in the source checkout: run `jobq bench` from its root"
-        ) from None
-    argv = ["--rounds", str(rounds)]
-    argv += ["--quick"] if quick else []
-    for name in only or []:
-        argv += ["--only", name]
-    argv += ["--json", json_path] if json_path else []
-    raise typer.Exit(runner.main(argv))
 
 
 def main() -> None:

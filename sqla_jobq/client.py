@@ -22,6 +22,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session
 
 from . import statements, traceparent
+from .job import Job, LeaseLost
 from .statements import NewJob
 
 Executor = Connection | Session
@@ -180,3 +181,31 @@ async def enqueue_many_async(
             found = _filled(found, missing, again.scalars())
         ids += _ids(found)
     return ids
+
+
+def complete_in(conn: Executor, table: Table, job: Job, result: Any = None) -> None:
+    """Complete `job` inside the caller's transaction, with its own database work.
+
+    The fenced `complete` commits or rolls back with everything else the
+    transaction did: exactly-once effects for database work. If the fence
+    matches no row (the lease was lost and the job is someone else's now),
+    raise LeaseLost: roll back, so none of the transaction's writes survive.
+    """
+    if conn.execute(_completion(table, job, result)).first() is None:
+        raise LeaseLost(f"job {job.id} attempt {job.attempts} is no longer ours: roll back")
+
+
+async def complete_in_async(
+    conn: AsyncExecutor, table: Table, job: Job, result: Any = None
+) -> None:
+    """`complete_in` on an AsyncConnection or AsyncSession."""
+    if (await conn.execute(_completion(table, job, result))).first() is None:
+        raise LeaseLost(f"job {job.id} attempt {job.attempts} is no longer ours: roll back")
+
+
+def _completion(table: Table, job: Job, result: Any) -> Any:
+    try:
+        stmt = statements.complete(table, job.id, job.attempts, result)
+    except statements.InvalidJob:  # a return value that is not JSON: complete without it
+        stmt = statements.complete(table, job.id, job.attempts)
+    return stmt.returning(table.c.id)

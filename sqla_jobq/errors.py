@@ -6,7 +6,7 @@ import psycopg
 from sqlalchemy.exc import OperationalError
 
 from .db import BadDatabaseURL
-from .migrations import SchemaError
+from .migrations.check import SchemaError
 from .statements import InvalidJob
 
 

@@ -10,19 +10,22 @@ records.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import functools
 import inspect
 import json
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from .attempt import Attempt, Outcome
+from .attempt import Attempt, Cancel, Outcome
 from .capture import Captured, capture_async
-from .job import Job, set_current_job
+from .job import Job, LeaseLost, set_current_job
+from .observe import Observer
 from .registry import Registry, Task
 from .threads import HandlerThreads
+from .transactions import Completed, Transactions
 
 log = logging.getLogger("sqla_jobq.worker")
 
@@ -32,9 +35,17 @@ class Refused(Exception):
 
 
 class Runner:
-    def __init__(self, registry: Registry, threads: HandlerThreads) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        threads: HandlerThreads,
+        observers: Sequence[Observer] = (),
+        transactions: Transactions | None = None,
+    ) -> None:
         self.registry = registry
         self.threads = threads
+        self.observers = list(observers)
+        self.transactions = transactions
 
     async def run(self, attempt: Attempt) -> Outcome:
         """Run the attempt's handler; never raises for anything the job does."""
@@ -55,21 +66,47 @@ class Runner:
         mismatch = task.mismatch(payload)
         if mismatch is not None:
             raise Refused(f"InvalidPayload: {mismatch}")
-        return task, Job.from_row(attempt.row, payload=payload)
+        return task, Job.from_row(attempt.row, payload=payload, cancel_event=attempt.cancel_event)
 
     async def _call(self, attempt: Attempt, task: Task[Any, Any], job: Job) -> Captured:
         context = contextvars.copy_context()
         context.run(set_current_job, job)
-        call = functools.partial(task.fn, **job.payload)
+        call = self._callable(task, job)
         if task.is_async:
-            return await _on_loop(attempt, context, _invoke(call))
-        captured = await self.threads.run(functools.partial(context.run, call))
+            return await _on_loop(attempt, context, self._observed_async(job, attempt.row, call))
+        observed = functools.partial(self._observed, job, attempt.row, call)
+        captured = await self.threads.run(functools.partial(context.run, observed))
         if captured.error is None and inspect.isawaitable(captured.value):
             # A plain function that returned an awaitable (a decorator around
             # an `async def` hides it from iscoroutinefunction): the work is
             # in the awaitable, so run it here rather than drop it unawaited.
             return await _on_loop(attempt, context, captured.value)
         return captured
+
+
+    def _callable(self, task: Task[Any, Any], job: Job) -> Callable[[], Any]:
+        call = functools.partial(task.fn, **job.payload)
+        if not task.transactional:
+            return call
+        if self.transactions is None:
+            raise RuntimeError("transactional tasks need a Runner with Transactions")
+        if task.is_async:
+            return functools.partial(self.transactions.run_async, task.table, job, call)
+        return functools.partial(self.transactions.run, task.table, job, call)
+
+    def _observed(self, job: Job, row: dict[str, Any], call: Callable[[], Any]) -> Any:
+        with contextlib.ExitStack() as stack:
+            for observer in self.observers:
+                stack.enter_context(observer.handler_context(job, row))
+            return call()
+
+    async def _observed_async(
+        self, job: Job, row: dict[str, Any], call: Callable[[], Any]
+    ) -> Any:
+        with contextlib.ExitStack() as stack:
+            for observer in self.observers:
+                stack.enter_context(observer.handler_context(job, row))
+            return await _invoke(call)
 
 
 async def _invoke(call: Callable[[], Any]) -> Any:
@@ -108,8 +145,15 @@ def outcome_of(attempt: Attempt, captured: Captured) -> Outcome:
     """The one place a handler's result or exception becomes what is recorded."""
     exc = captured.error
     if exc is None:
-        return Outcome()
+        if isinstance(captured.value, Completed):
+            return Outcome(result=captured.value.value, settled="done")
+        return Outcome(result=captured.value)
+    if isinstance(exc, LeaseLost):
+        log.warning("%s: %s; its transaction was rolled back", attempt.describe(), exc)
+        return Outcome(error=f"LeaseLost: {exc}", settled="lost")
     if isinstance(exc, asyncio.CancelledError):
+        if attempt.cancelled is Cancel.TIMEOUT:
+            return timed_out(attempt)
         if attempt.cancelled is not None:
             return Outcome(error=f"CancelledError: {attempt.cancelled.value}")
         # Not asked for by the worker: something inside the handler (a
@@ -118,3 +162,8 @@ def outcome_of(attempt: Attempt, captured: Captured) -> Outcome:
         return Outcome(error=f"CancelledError: {detail}", exc=exc)
     log.error("%s raised", attempt.describe(), exc_info=exc)
     return Outcome(error=f"{type(exc).__name__}: {exc}", exc=exc)
+
+
+def timed_out(attempt: Attempt) -> Outcome:
+    """The failure recorded for an attempt that outran its task's timeout."""
+    return Outcome(error=f"TimeoutError: {attempt.task_name} ran longer than its timeout")

@@ -22,16 +22,18 @@ from collections.abc import Callable
 import psycopg
 
 from .attempt import Attempt, Key, State
+from .db import RETRY_MAX, RETRY_START
 from .driver import Driver
+from .statements import InvalidJob, encode_result
 
 log = logging.getLogger("sqla_jobq.finisher")
 
-RETRY_START = 0.1
-RETRY_MAX = 5.0
 # A row another session holds locked is tried again this often.
 BUSY_RETRY = 0.2
 
-Settled = Callable[[Attempt, str], None]
+# (attempt, what happened as a log phrase, its kind: done, retry, failed,
+# cancelled or lost).
+Settled = Callable[[Attempt, str, str], None]
 
 
 class Finisher:
@@ -99,10 +101,17 @@ class Finisher:
     async def _complete(self, batch: list[Attempt]) -> None:
         if not batch:
             return
-        done = await self.driver.complete_many([a.key for a in batch])
+        results = [_result_of(a) for a in batch]
+        keys = [a.key for a in batch]
+        given = results if any(r is not None for r in results) else None
+        try:
+            done = await self.driver.complete_many(keys, given)
+        except psycopg.errors.LockNotAvailable:
+            # A row held longer than claimers hold one: record the rest now.
+            done = await self.driver.complete_many(keys, given, skip_locked=True)
         for attempt in batch:
             if attempt.key in done:
-                self._record(attempt, "done")
+                self._record(attempt, "done", "done")
         await self._sort_out([a for a in batch if a.key not in done], "not completed")
 
     async def _fail(self, attempt: Attempt) -> None:
@@ -117,38 +126,44 @@ class Finisher:
             await self._sort_out([attempt], "failure not recorded")
             return
         status, retry_in = result
-        retry = f"failed ({error})" if status == "failed" else f"retry in {retry_in:.0f}s ({error})"
-        self._record(attempt, retry)
+        if status == "failed":
+            self._record(attempt, f"failed ({error})", "failed")
+        else:
+            self._record(attempt, f"retry in {retry_in:.0f}s ({error})", "retry")
 
     async def _sort_out(self, unmatched: list[Attempt], what: str) -> None:
-        """A fenced statement matched nothing: busy (locked by someone) or lost."""
+        """A fenced statement matched nothing: busy (locked by someone),
+        cancelled, or lost."""
         if not unmatched:
             return
-        still_ours = await self.driver.held([a.key for a in unmatched])
+        fates = await self.driver.fates([a.key for a in unmatched])
         for attempt in unmatched:
-            if attempt.key in still_ours:
+            fate = fates.get(attempt.key)
+            if fate == "running":
                 self._busy(attempt)
+                continue
+            attempt.lose()
+            if fate == "cancelled":
+                self._settle(attempt, f"cancelled ({what})", "cancelled")
             else:
-                attempt.lose()
-                self._settle(attempt, f"lost (no longer ours; {what})")
+                self._settle(attempt, f"lost (no longer ours; {what})", "lost")
 
     def _busy(self, attempt: Attempt) -> None:
         self.not_before[attempt.key] = time.monotonic() + BUSY_RETRY
 
-    def _record(self, attempt: Attempt, outcome: str) -> None:
+    def _record(self, attempt: Attempt, outcome: str, kind: str) -> None:
         attempt.recorded()
-        self._settle(attempt, outcome)
+        self._settle(attempt, outcome, kind)
 
     def _give_up(self, attempt: Attempt) -> None:
         attempt.lose()
-        self._settle(
-            attempt, "unrecorded (its lease ran out first); the job will be reaped and run again"
-        )
+        text = "unrecorded (its lease ran out first); the job will be reaped and run again"
+        self._settle(attempt, text, "lost")
 
-    def _settle(self, attempt: Attempt, outcome: str) -> None:
+    def _settle(self, attempt: Attempt, outcome: str, kind: str) -> None:
         self.pending.pop(attempt.key, None)
         self.not_before.pop(attempt.key, None)
-        self.settled(attempt, outcome)
+        self.settled(attempt, outcome, kind)
 
     def _back_off(self, exc: Exception) -> None:
         log.warning("could not record outcomes (%s); retrying in %.1fs", exc, self.delay)
@@ -156,3 +171,15 @@ class Finisher:
         for key in self.pending:
             self.not_before[key] = max(self.not_before.get(key, 0.0), later)
         self.delay = min(self.delay * 2, RETRY_MAX)
+
+
+def _result_of(attempt: Attempt) -> str | None:
+    """The handler's return value as JSON text, or None (nothing, or not JSON)."""
+    value = attempt.outcome.result if attempt.outcome is not None else None
+    if value is None:
+        return None
+    try:
+        return encode_result(value)
+    except InvalidJob as exc:
+        log.warning("%s: result not stored: %s", attempt.describe(), exc)
+        return None

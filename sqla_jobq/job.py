@@ -6,12 +6,22 @@ the claim cannot shift what another module reads.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
-__all__ = ["Job", "current_job", "set_current_job"]
+__all__ = ["Job", "JobCancelled", "LeaseLost", "current_job", "set_current_job"]
+
+
+class JobCancelled(Exception):
+    """Raised by `Job.raise_if_cancelled()` in a handler whose job was cancelled."""
+
+
+class LeaseLost(Exception):
+    """The job's fenced completion matched no row: it is someone else's now."""
 
 
 @dataclass(frozen=True)
@@ -24,6 +34,23 @@ class Job:
     payload: Any
     attempts: int
     max_attempts: int
+    # The fire time of a periodic task's job, else None.
+    scheduled_for: datetime | None = None
+    # Set by the worker when the job is cancelled while it runs (shared with
+    # the handler's thread, so a plain function can look at it between steps).
+    cancel_event: threading.Event = field(
+        default_factory=threading.Event, repr=False, compare=False
+    )
+
+    @property
+    def cancel_requested(self) -> bool:
+        """True once the job was cancelled: stop, nothing you record will count."""
+        return self.cancel_event.is_set()
+
+    def raise_if_cancelled(self) -> None:
+        """Raise JobCancelled if the job was cancelled (for sync handlers between steps)."""
+        if self.cancel_requested:
+            raise JobCancelled(f"job {self.id} was cancelled")
 
     @property
     def key(self) -> tuple[int, int]:
@@ -35,7 +62,12 @@ class Job:
         return (self.id, self.attempts)
 
     @classmethod
-    def from_row(cls, row: Mapping[str, Any], payload: Any = None) -> Job:
+    def from_row(
+        cls,
+        row: Mapping[str, Any],
+        payload: Any = None,
+        cancel_event: threading.Event | None = None,
+    ) -> Job:
         """A job from a claimed row; `payload` replaces the row's when given
         (the worker decodes it itself, inside the attempt's error boundary)."""
         return cls(
@@ -45,6 +77,8 @@ class Job:
             payload=row["payload"] if payload is None else payload,
             attempts=row["attempts"],
             max_attempts=row["max_attempts"],
+            scheduled_for=row.get("scheduled_for"),
+            cancel_event=cancel_event or threading.Event(),
         )
 
 

@@ -11,6 +11,7 @@ the job was taken away: the attempt is reported lost, and the worker stops it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import defaultdict
@@ -32,25 +33,34 @@ class LeaseKeeper:
         self,
         driver: Driver,
         attempts: Callable[[], Iterable[Attempt]],
-        lost: Callable[[Attempt], None],
+        lost: Callable[[Attempt, str], None],
         tick: float,
     ) -> None:
         self.driver = driver
         self.attempts = attempts
-        self.lost = lost
+        self.lost = lost  # (attempt, its row's status now: "cancelled", or "" when gone)
         self.tick = tick
+        self.poke = asyncio.Event()
+
+    def check_now(self) -> None:
+        """Look at every lease now (a cancel was announced), not at the next tick."""
+        self.poke.set()
 
     async def run(self) -> None:
         while True:
-            await asyncio.sleep(self.tick)
-            await self.beat()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.poke.wait(), self.tick)
+            everyone = self.poke.is_set()
+            self.poke.clear()
+            await self.beat(everyone=everyone)
 
-    async def beat(self) -> None:
-        """Extend every lease a third of the way through, one statement per lease length."""
+    async def beat(self, *, everyone: bool = False) -> None:
+        """Extend every lease a third of the way through (`everyone`: all of
+        them, to learn of a cancel now), one statement per lease length."""
         now = time.monotonic()
         due: dict[timedelta, list[Attempt]] = defaultdict(list)
         for attempt in self.attempts():
-            if not attempt.state.settled and attempt.lease_due(now):
+            if not attempt.state.settled and (everyone or attempt.lease_due(now)):
                 due[attempt.lease].append(attempt)
         for lease, batch in due.items():
             try:
@@ -66,11 +76,12 @@ class LeaseKeeper:
         missed = [a for a in batch if a.key not in extended and not a.state.settled]
         if not missed:
             return
-        still_ours = await self.driver.held([a.key for a in missed])
+        fates = await self.driver.fates([a.key for a in missed])
         for attempt in missed:
+            fate = fates.get(attempt.key, "")
             # Locked by another session right now: try again next tick. A
             # finished attempt's fate is the finisher's to tell (its completion
             # may simply have landed first).
-            if attempt.key in still_ours or attempt.state not in _RUNNABLE:
+            if fate == "running" or attempt.state not in _RUNNABLE:
                 continue
-            self.lost(attempt)
+            self.lost(attempt, fate)

@@ -23,12 +23,10 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from .db import connect_kwargs, conninfo
+from .db import RETRY_MAX, RETRY_START, close_quietly, connect_kwargs, conninfo
 
 log = logging.getLogger("sqla_jobq.notify")
 
-BACKOFF_START = 0.1
-BACKOFF_MAX = 5.0
 
 
 class Listener:
@@ -42,12 +40,14 @@ class Listener:
         wake: Callable[[], None],
         *,
         eager: bool = True,
+        hint: Callable[[str], None] | None = None,
     ) -> None:
         self.url = conninfo(url)
         self.channel = channel
         self.queues = set(queues)
         self.wake = wake
         self.eager = eager
+        self.hint = hint  # for notifications that name no queue (`#cancel <id>`)
         self.connected = asyncio.Event()
         self.allowed = asyncio.Event()  # lazy: the worker is using the database
         self._conn: psycopg.AsyncConnection[Any] | None = None
@@ -58,14 +58,14 @@ class Listener:
 
     async def run(self) -> None:
         """Listen until cancelled, reconnecting forever."""
-        delay = BACKOFF_START
+        delay = RETRY_START
         first = True
         while True:
             try:
                 await self._listen(catch_up=not first)
             except psycopg.Error as exc:
                 if self.connected.is_set():
-                    delay = BACKOFF_START
+                    delay = RETRY_START
                 when = f"in {delay:.1f}s" if self.eager else "when the worker next polls"
                 log.warning("LISTEN connection lost (%s); reconnecting %s", exc, when)
             self.connected.clear()
@@ -76,7 +76,7 @@ class Listener:
                 await self.allowed.wait()
                 continue
             await asyncio.sleep(delay)
-            delay = min(delay * 2, BACKOFF_MAX)
+            delay = min(delay * 2, RETRY_MAX)
 
     async def _listen(self, *, catch_up: bool) -> None:
         self._conn = await psycopg.AsyncConnection.connect(
@@ -91,14 +91,12 @@ class Listener:
         async for note in self._conn.notifies():
             if note.payload in self.queues:
                 self.wake()
+            elif self.hint is not None and note.payload.startswith("#"):
+                self.hint(note.payload)
 
     async def _close(self) -> None:
-        if self._conn is not None:
-            conn, self._conn = self._conn, None
-            try:
-                await conn.close()
-            except psycopg.Error:
-                log.debug("error closing the LISTEN connection", exc_info=True)
+        conn, self._conn = self._conn, None
+        await close_quietly(conn, log)
 
     async def stop(self) -> None:
         await self._close()

@@ -20,6 +20,7 @@ from sqlalchemy import (
     Select,
     Table,
     Text,
+    any_,
     bindparam,
     false,
     func,
@@ -27,6 +28,7 @@ from sqlalchemy import (
     select,
     true,
 )
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.sql.dml import ReturningInsert
 
@@ -74,6 +76,15 @@ def settings(table: Table) -> Select[Any]:
         .where(or_(s.paused, s.concurrency_limit.is_not(None)))
         .order_by(s.name)
     )
+
+
+def limited(table: Table, queues: list[str]) -> Select[Any]:
+    """Which of `queues` have a concurrency limit: a worker claims no jobs
+    ahead of its free slots for them, since a job waiting in one worker's
+    buffer would hold a slot another worker could run."""
+    s = queues_table(MetaData(), table.name, table.schema).c
+    names = bindparam("queues", queues, type_=ARRAY(Text))
+    return select(s.name).where(s.name == any_(names), s.concurrency_limit.is_not(None))
 
 
 def _upsert(table: Table, queue: str, **values: ColumnElement[Any]) -> ReturningInsert[Any]:

@@ -17,6 +17,7 @@ from sqlalchemy import Table
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from . import client, periodic
+from .schema import default_jobs
 from .statements import DEFAULT_LEASE, InvalidJob, NewJob
 
 P = ParamSpec("P")
@@ -43,6 +44,8 @@ class Task(Generic[P, R]):
         lease: timedelta,
         priority: int,
         table: Table,
+        timeout: timedelta | None = None,
+        transactional: bool = False,
     ) -> None:
         self.fn = fn
         self.name = name
@@ -51,7 +54,14 @@ class Task(Generic[P, R]):
         self.lease = lease
         self.priority = priority
         self.table = table
-        self.signature = inspect.signature(fn)
+        self.timeout = timeout
+        self.transactional = transactional
+        signature = inspect.signature(fn)
+        if transactional:
+            # `conn` is filled by the worker, never part of the payload.
+            kept = [p for p in signature.parameters.values() if p.name != "conn"]
+            signature = signature.replace(parameters=kept)
+        self.signature = signature
         self.is_async = inspect.iscoroutinefunction(fn)
         self._fitting: set[frozenset[str]] = set()
         self.__doc__ = fn.__doc__
@@ -169,11 +179,7 @@ class Registry:
     """The tasks one application knows, and the queue table they go to."""
 
     def __init__(self, table: Table | None = None) -> None:
-        if table is None:
-            from . import jobs
-
-            table = jobs
-        self.table = table
+        self.table = default_jobs if table is None else table
         self.tasks: dict[str, Task[Any, Any]] = {}
         # Periodic tasks' schedules, by task name (see `sqla_jobq.scheduler`).
         self.schedules: dict[str, periodic.Schedule] = {}
@@ -191,6 +197,8 @@ class Registry:
         max_attempts: int = ...,
         lease: timedelta = ...,
         priority: int = ...,
+        timeout: timedelta | None = ...,
+        transactional: bool = ...,
         cron: str | None = ...,
         every: timedelta | None = ...,
         timezone: str | None = ...,
@@ -207,6 +215,8 @@ class Registry:
         max_attempts: int = 5,
         lease: timedelta = DEFAULT_LEASE,
         priority: int = 0,
+        timeout: timedelta | None = None,
+        transactional: bool = False,
         cron: str | None = None,
         every: timedelta | None = None,
         timezone: str | None = None,
@@ -218,6 +228,12 @@ class Registry:
         With `cron=` (5 fields, in UTC unless `timezone=`) or `every=`, the task
         is also periodic: workers enqueue it once per fire time, with `payload`
         as its keyword arguments (see `sqla_jobq.periodic` for `catch_up=`).
+
+        `timeout=`: an attempt running longer fails with TimeoutError (and is
+        retried as any failure); the lease is about a dead worker, the timeout
+        about a slow handler. `transactional=True`: the handler takes a `conn`
+        with an open transaction on the worker's engine, and the job is
+        completed in that same transaction (see `sqla_jobq.client.complete_in`).
         """
 
         def register(f: Callable[P, R]) -> Task[P, R]:
@@ -226,7 +242,15 @@ class Registry:
                 raise ValueError(f"task {task_name!r} is registered twice")
             if lease <= timedelta(0):
                 raise ValueError(f"lease must be positive, got {lease}")
-            clashes = RESERVED_PARAMETERS & set(inspect.signature(f).parameters)
+            if timeout is not None and timeout <= timedelta(0):
+                raise ValueError(f"task {task_name!r}: timeout must be positive, got {timeout}")
+            parameters = set(inspect.signature(f).parameters)
+            if transactional and "conn" not in parameters:
+                raise ValueError(
+                    f"task {task_name!r} is transactional but takes no `conn` parameter: "
+                    "add one, the worker passes the transaction's connection in it"
+                )
+            clashes = RESERVED_PARAMETERS & parameters - ({"conn"} if transactional else set())
             if clashes:
                 raise ValueError(
                     f"task {task_name!r} has parameters named {sorted(clashes)}, which "
@@ -240,6 +264,8 @@ class Registry:
                 lease=lease,
                 priority=priority,
                 table=self.table,
+                timeout=timeout,
+                transactional=transactional,
             )
             schedule = periodic.declare(
                 registered,
@@ -292,32 +318,3 @@ class Registry:
         if isinstance(conn, AsyncConnection | AsyncSession):
             return client.enqueue_many_async(conn, self.table, rows)
         return client.enqueue_many(conn, self.table, rows)
-
-
-def load_registry(spec: str) -> Registry:
-    """Import `MODULE:ATTR` and return the Registry it names."""
-    import importlib
-    import os
-    import sys
-
-    from .errors import UsageError
-
-    # Like uvicorn and celery: `jobq worker app.tasks:registry` run from the
-    # project directory finds `app` without installing it.
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise UsageError(f"expected MODULE:ATTR naming a Registry, got {spec!r}")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise UsageError(f"cannot import module {module_name!r}: {exc}") from None
-    except periodic.InvalidSchedule as exc:
-        raise UsageError(f"cannot load {spec}: {exc}") from None
-    found = getattr(module, attr, None)
-    if not isinstance(found, Registry):
-        what = "nothing" if found is None else type(found).__name__
-        raise UsageError(f"{spec} is {what}, not a sqla_jobq Registry")
-    return found

@@ -12,11 +12,13 @@ from dataclasses import dataclass
 
 from sqlalchemy import (
     BigInteger,
+    Boolean,
     CheckConstraint,
     Column,
     Identity,
     Index,
     Integer,
+    Interval,
     MetaData,
     PrimaryKeyConstraint,
     Table,
@@ -24,21 +26,24 @@ from sqlalchemy import (
     func,
     text,
 )
-from sqlalchemy.dialects.postgresql import JSONB, TIMESTAMP
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB, TIMESTAMP
 
-STATUSES = ("queued", "running", "done", "failed")
+STATUSES = ("queued", "running", "done", "failed", "cancelled")
 MAX_IDENTIFIER_BYTES = 63
 UNIQUE_WHERE = "unique_key IS NOT NULL AND status IN ('queued', 'running')"
 
 # The schema version this code needs. The migrations record the version they
 # applied as the table's comment (as Oban does), so a worker can refuse to run
 # on a missing or outdated table, and a custom-named table carries its own.
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 # The version of the step that last changed the archive table's shape. Its
 # comment carries it, so a host's `include_object` recognises the archive too.
-ARCHIVE_VERSION = 4
-# The same for the periodic tasks' schedules table.
+ARCHIVE_VERSION = 5
+# The same for the periodic tasks' schedules table, the queue settings and the
+# worker registry.
 SCHEDULES_VERSION = 4
+QUEUES_VERSION = 5
+WORKERS_VERSION = 5
 _COMMENT_PREFIX = "sqla_jobq schema version "
 
 
@@ -154,6 +159,29 @@ class Names:
         return f"{self.table}_archived_at_idx"
 
     @property
+    def notify_finished(self) -> str:
+        """Row trigger (and function) announcing an awaited job's end (schema version 5)."""
+        return f"{self.table}_notify_finished"
+
+    @property
+    def notify_cancel(self) -> str:
+        """Row trigger (and function) announcing a running job cancelled (schema version 5)."""
+        return f"{self.table}_notify_cancel"
+
+    @property
+    def queues(self) -> str:
+        """One row per queue with a setting: paused, concurrency limit (schema version 5)."""
+        return f"{self.table}_queues"
+
+    @property
+    def queues_qualified(self) -> str:
+        return qualify(self.schema, self.queues)
+
+    @property
+    def queues_pkey(self) -> str:
+        return f"{self.table}_queues_pkey"
+
+    @property
     def claim_slots(self) -> str:
         """SQL function the claim asks how many jobs a queue may hand out now (schema version 5)."""
         return f"{self.table}_claim_slots"
@@ -167,6 +195,19 @@ class Names:
     def queues_notify(self) -> str:
         """Row trigger (and function) waking workers when a queue may hand out more (version 5)."""
         return f"{self.table}_queues_notify"
+
+    @property
+    def workers(self) -> str:
+        """One row per live worker, kept by its heartbeat (schema version 5)."""
+        return f"{self.table}_workers"
+
+    @property
+    def workers_qualified(self) -> str:
+        return qualify(self.schema, self.workers)
+
+    @property
+    def workers_pkey(self) -> str:
+        return f"{self.table}_workers_pkey"
 
     @property
     def schedules(self) -> str:
@@ -234,6 +275,10 @@ def jobs_table(metadata: MetaData, name: str = "jobs", schema: str | None = None
         Column("started_at", TIMESTAMP(timezone=True)),
         Column("finished_at", TIMESTAMP(timezone=True)),
         Column("scheduled_for", TIMESTAMP(timezone=True)),
+        Column("cancel_requested_at", TIMESTAMP(timezone=True)),
+        Column("result", JSONB),
+        Column("traceparent", Text),
+        Column("awaited", Boolean, nullable=False, server_default=text("false")),
         CheckConstraint(f"status IN ({status_in})", name=names.status_check),
         Index(
             names.ready_index,
@@ -313,3 +358,59 @@ def schedules_table(metadata: MetaData, name: str = "jobs", schema: str | None =
         schema=schema,
         comment=version_comment(SCHEDULES_VERSION),
     )
+
+
+def queues_table(metadata: MetaData, name: str = "jobs", schema: str | None = None) -> Table:
+    """Build the queue settings table of the jobs table `name`: `<name>_queues`.
+
+    A queue without a row has no settings: not paused, no limit. The claim
+    reads this table inside the same statement, so a pause or a limit holds
+    for every worker on every host the moment it commits.
+    """
+    names = Names(name, schema)
+    return Table(
+        names.queues,
+        metadata,
+        Column("name", Text, primary_key=True),
+        Column("paused", Boolean, nullable=False, server_default=text("false")),
+        Column("concurrency_limit", Integer),
+        Column("updated_at", TIMESTAMP(timezone=True), nullable=False, server_default=func.now()),
+        CheckConstraint("concurrency_limit > 0", name=f"{names.queues}_limit_check"),
+        schema=schema,
+        comment=version_comment(QUEUES_VERSION),
+    )
+
+
+def workers_table(metadata: MetaData, name: str = "jobs", schema: str | None = None) -> Table:
+    """Build the worker registry of the jobs table `name`: `<name>_workers`.
+
+    Each worker keeps its row fresh on the heartbeat it sends anyway (never an
+    extra idle query) and deletes it on a clean shutdown; a row whose
+    heartbeat stopped is a worker that died.
+    """
+    names = Names(name, schema)
+    return Table(
+        names.workers,
+        metadata,
+        Column("id", Text, primary_key=True),
+        Column("host", Text, nullable=False),
+        Column("pid", Integer, nullable=False),
+        Column("queues", ARRAY(Text), nullable=False),
+        Column("concurrency", Integer, nullable=False),
+        Column("started_at", TIMESTAMP(timezone=True), nullable=False, server_default=func.now()),
+        Column(
+            "heartbeat_at", TIMESTAMP(timezone=True), nullable=False, server_default=func.now()
+        ),
+        Column("jobs_done", BigInteger, nullable=False, server_default=text("0")),
+        # The longest this worker may go without a heartbeat while alive (see
+        # `sqla_jobq.presence`): silent for twice that plus a margin, it is stale.
+        Column("beat_interval", Interval, nullable=False),
+        schema=schema,
+        comment=version_comment(WORKERS_VERSION),
+    )
+
+
+# The default queue table (`sqla_jobq.jobs`), on a MetaData of its own: what a
+# `Registry()` works when given no table.
+default_metadata = MetaData()
+default_jobs = jobs_table(default_metadata)

@@ -66,7 +66,7 @@ from sqlalchemy.sql.dml import ReturningInsert
 from sqlalchemy.sql.elements import quoted_name
 from sqlalchemy.sql.functions import Function
 
-from .schema import STATUSES, UNIQUE_WHERE, archive_table, names_of
+from .schema import STATUSES, UNIQUE_WHERE, archive_table, names_of, queues_table
 
 DEFAULT_LEASE = timedelta(minutes=5)
 BACKOFF_BASE = "interval '10 seconds'"
@@ -75,7 +75,7 @@ BACKOFF_CAP = "interval '1 hour'"
 # keeps a huge max_attempts from overflowing the interval arithmetic.
 BACKOFF_MAX_EXPONENT = 20
 ACTIVE_STATUSES = ("queued", "running")
-FINISHED_STATUSES = ("done", "failed")
+FINISHED_STATUSES = ("done", "failed", "cancelled")
 
 Queues = str | Sequence[str]
 
@@ -394,7 +394,18 @@ def copy_rows(
 
 def claim_columns(table: Table) -> tuple[ColumnElement[Any], ...]:
     c = table.c
-    return (c.id, c.task, c.queue, c.payload, c.attempts, c.max_attempts, c.locked_until)
+    return (
+        c.id,
+        c.task,
+        c.queue,
+        c.payload,
+        c.attempts,
+        c.max_attempts,
+        c.locked_until,
+        c.run_at,
+        c.scheduled_for,
+        c.traceparent,
+    )
 
 
 def claim(
@@ -403,6 +414,7 @@ def claim(
     queue: Queues = "default",
     limit: int = 10,
     lease: timedelta = DEFAULT_LEASE,
+    now: datetime | None = None,
 ) -> Update:
     """Lease up to `limit` ready jobs to the caller: the only way to take work.
 
@@ -419,6 +431,9 @@ def claim(
     array leaves it nothing to get wrong: primary-key lookups whatever the
     guess.
 
+    `now` replaces the server's clock (tests moving time forward, see
+    `sqla_jobq.testing`); workers leave it to the server.
+
     A queue's pause and concurrency limit (see `queue_statements`) hold here,
     in the statement itself: its LIMIT is also capped by `<table>_claim_slots`,
     which is NULL for a queue with no setting (the plan and cost stay those of
@@ -428,7 +443,7 @@ def claim(
     if limit < 1:
         raise ValueError(f"limit must be at least 1, got {limit}")
     c = table.c
-    clock = func.now()
+    clock = _clock(now)
     take = bindparam("limit", limit, type_=Integer)
     if isinstance(queue, str):
         name = bindparam("queue", _text("queue", queue), type_=Text)
@@ -441,8 +456,8 @@ def claim(
         .values(
             status=_status_literal("running"),
             attempts=c.attempts + 1,
-            locked_until=func.now() + bindparam("lease", lease, type_=Interval),
-            started_at=func.now(),
+            locked_until=clock + bindparam("lease", lease, type_=Interval),
+            started_at=clock,
         )
         .returning(*claim_columns(table))
     )
@@ -520,6 +535,14 @@ def _quotas(table: Table, given: ColumnElement[Any]) -> Any:
     return select(rows.c.queue_name, rows.c.slots).cte("quotas")
 
 
+def _clock(now: datetime | None) -> ColumnElement[Any]:
+    if now is None:
+        return func.now()
+    if now.tzinfo is None:
+        raise InvalidJob("now must be timezone-aware (e.g. datetime.now(timezone.utc))")
+    return bindparam("now", now, type_=TIMESTAMP(timezone=True))
+
+
 def _fence(table: Table, job_id: int, attempts: int) -> tuple[ColumnElement[bool], ...]:
     c = table.c
     return (
@@ -537,13 +560,23 @@ _DONE: dict[str, Any] = {
 }
 
 
-def complete(table: Table, id: int, attempts: int) -> Update:
-    """Mark a job done, if it is still ours (row count 1) and not otherwise (0)."""
-    return (
-        update(table)
-        .where(*_fence(table, id, attempts))
-        .values(**_DONE)
-    )
+def complete(table: Table, id: int, attempts: int, result: Any = None) -> Update:
+    """Mark a job done, if it is still ours (row count 1) and not otherwise (0).
+
+    `result`, the task's return value, is stored as JSON when it is not None.
+    """
+    values = dict(_DONE)
+    if result is not None:
+        values["result"] = cast(bindparam("result", encode_result(result), type_=Text), JSONB)
+    return update(table).where(*_fence(table, id, attempts)).values(**values)
+
+
+def encode_result(result: Any) -> str:
+    """A return value as strict JSON, or InvalidJob saying why it cannot be stored."""
+    try:
+        return encode_payload(result)
+    except InvalidJob as exc:
+        raise InvalidJob(str(exc).replace("payload", "result")) from None
 
 
 def _owned_rows(jobs: Sequence[tuple[int, int]]) -> Any:
@@ -590,31 +623,58 @@ def _id_in(table: Table, locked: Any) -> ColumnElement[bool]:
     return table.c.id == any_(ids)
 
 
-def complete_many(table: Table, jobs: Sequence[tuple[int, int]]) -> Update:
+def complete_many(
+    table: Table,
+    jobs: Sequence[tuple[int, int]],
+    results: Sequence[str | None] | None = None,
+    *,
+    skip_locked: bool = False,
+) -> Update:
     """`complete` for a batch of `(id, attempts)` pairs in one round trip.
 
-    Returns the `(id, attempts)` pairs it completed. A pair missing from the
-    result was either taken away or is locked by another session right now
-    (skipped, not waited on): `held` tells which.
+    Returns the `(id, attempts)` pairs it completed; a pair missing from the
+    result was taken away (or, with `skip_locked`, is locked by another
+    session right now: `fates` tells which). With `results` (JSON text per
+    pair, None for none; see `encode_result`), each job's return value is
+    stored in the same statement.
+
+    Plain, it waits on a row another session holds locked, as any UPDATE
+    does: claimers lock rows for a moment as they pass them, so this is the
+    fast path, run under a short `lock_timeout`. `skip_locked` is the way
+    round a row held longer (an admin's open transaction): the rest of the
+    batch is recorded and the held row retried later.
     """
     c = table.c
-    return (
-        update(table)
-        .where(_lockable(table, jobs))
-        .values(**_DONE)
-        .returning(c.id, c.attempts)
-    )
+    stmt = update(table).values(**_DONE).returning(c.id, c.attempts)
+    if skip_locked:
+        stmt = stmt.where(_lockable(table, jobs))
+    else:
+        stmt = stmt.where(*_fence_many(table, _owned_rows(jobs)))
+    if results is not None:
+        given = (
+            func.unnest(
+                bindparam("result_ids", [j[0] for j in jobs], type_=ARRAY(BigInteger)),
+                bindparam("results", list(results), type_=ARRAY(Text)),
+            )
+            .table_valued("id", "result")
+            .render_derived(name="given")
+        )
+        stmt = stmt.where(c.id == given.c.id).values(result=cast(given.c.result, JSONB))
+    return stmt
 
 
-def held(table: Table, jobs: Sequence[tuple[int, int]]) -> Select[Any]:
-    """Which of these `(id, attempts)` pairs are still running attempts of ours.
+def fates(table: Table, jobs: Sequence[tuple[int, int]]) -> Select[Any]:
+    """The status of each of these `(id, attempts)` pairs whose attempt is
+    still the row's current one; a pair missing from the result was reclaimed.
 
     A plain read, so it never waits on a lock: the answer for a pair a batch
-    statement skipped, telling "locked by someone, try again" from "taken away".
+    statement skipped, telling "running but locked by someone, try again"
+    (`running`) from "cancelled" from "taken away" (anything else, or absent).
     """
     owned = _owned_rows(jobs)
     c = table.c
-    return select(c.id, c.attempts).select_from(owned).join(table, and_(*_fence_many(table, owned)))
+    match = and_(c.id == owned.c.id, c.attempts == owned.c.attempts)
+    return select(c.id, c.attempts, c.status).select_from(owned).join(table, match)
 
 
 def _backoff(table: Table) -> ColumnElement[Any]:
@@ -741,8 +801,16 @@ def reap(table: Table, *, limit: int = REAP_BATCH) -> Update:
     )
 
 
+RETRYABLE_STATUSES = ("failed", "cancelled")
+
+
+def _retryable(table: Table) -> ColumnElement[bool]:
+    return table.c.status.in_([_status_literal(s) for s in RETRYABLE_STATUSES])
+
+
 def retry(table: Table, id: int) -> Update:
-    """Send a failed job back to the queue now, granting it one more attempt.
+    """Send a failed (or cancelled) job back to the queue now, granting it one
+    more attempt; a cancelled job is never retried but by this.
 
     It raises `max_attempts` instead of resetting `attempts`: see the fencing
     invariant at the top of this module.
@@ -750,7 +818,7 @@ def retry(table: Table, id: int) -> Update:
     c = table.c
     return (
         update(table)
-        .where(c.id == bindparam("id", id, type_=BigInteger), status_is(c.status, "failed"))
+        .where(c.id == bindparam("id", id, type_=BigInteger), _retryable(table))
         .values(**_retried(table))
         .returning(c.id, c.attempts, c.max_attempts)
     )
@@ -767,7 +835,7 @@ def retry_many(table: Table, ids: Sequence[int]) -> Update:
         update(table)
         .where(
             c.id == any_(bindparam("ids", list(ids), type_=ARRAY(BigInteger))),
-            status_is(c.status, "failed"),
+            _retryable(table),
         )
         .values(**_retried(table))
         .returning(c.id)
@@ -798,17 +866,28 @@ def unique_key_holder(table: Table, id: int) -> Select[Any]:
 
 
 def cancel(table: Table, id: int) -> Update:
-    """Take a queued job out of the queue as `failed` with `last_error = 'cancelled'`."""
+    """Cancel a queued or running job: it ends `cancelled`, never retried.
+
+    The status changes at once, in the database: a running job's handler may
+    go on until its worker hears of it (the next heartbeat, or sooner by the
+    NOTIFY a trigger sends), but nothing it records afterwards matches the
+    fence. Returns the id and the status the job had.
+    """
     c = table.c
+    before = select(c.status).where(c.id == bindparam("id", id, type_=BigInteger)).scalar_subquery()
     return (
         update(table)
-        .where(c.id == bindparam("id", id, type_=BigInteger), status_is(c.status, "queued"))
+        .where(
+            c.id == bindparam("id", id, type_=BigInteger),
+            c.status.in_([_status_literal(s) for s in ACTIVE_STATUSES]),
+        )
         .values(
-            status=_status_literal("failed"),
-            last_error=literal_column("'cancelled'", Text),
+            status=_status_literal("cancelled"),
+            cancel_requested_at=func.now(),
+            locked_until=null(),
             finished_at=func.now(),
         )
-        .returning(c.id)
+        .returning(c.id, before.label("was"))
     )
 
 
@@ -919,11 +998,15 @@ def _finished_batch(
 
 
 def next_run_at(table: Table, *, queue: Queues = "default") -> Select[Any, datetime]:
-    """When the earliest queued job becomes ready, and the server's `now()`, so
-    an idle worker can sleep until then without trusting its own clock."""
+    """When the earliest queued job of an unpaused queue becomes ready, and the
+    server's `now()`, so an idle worker can sleep until then without trusting
+    its own clock (a paused queue's jobs are not due: its resume is announced)."""
     c = table.c
+    paused = queues_table(MetaData(), table.name, table.schema).c
     return select(func.min(c.run_at), func.now()).where(
-        _queue_filter(c.queue, queue), status_is(c.status, "queued")
+        _queue_filter(c.queue, queue),
+        status_is(c.status, "queued"),
+        c.queue.not_in(select(paused.name).where(paused.paused).scalar_subquery()),
     )
 
 

@@ -24,7 +24,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from . import statements
 from .job import JobCancelled
-from .migrations import check_schema
+from .migrations.check import check_schema
+from .schema import default_jobs
 from .statements import FINISHED_STATUSES
 
 __all__ = ["JobFailed", "wait_for", "wait_for_async"]
@@ -48,11 +49,7 @@ class _Wait:
     def __init__(self, table: Table | None, job_id: int, timeout: float) -> None:
         if timeout < 0:
             raise ValueError(f"timeout must not be negative, got {timeout}")
-        if table is None:
-            from . import jobs
-
-            table = jobs
-        self.table = table
+        self.table = default_jobs if table is None else table
         self.job_id = job_id
         self.timeout = timeout
         self.deadline = time.monotonic() + timeout

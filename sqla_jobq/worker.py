@@ -28,9 +28,9 @@ import os
 import signal
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -38,16 +38,19 @@ from sqlalchemy import create_engine
 from sqlalchemy.pool import NullPool
 
 from .attempt import Attempt, Cancel, Key, Outcome, State
-from .db import sqlalchemy_url
+from .db import RETRY_MAX, RETRY_START, sqlalchemy_url
 from .driver import Driver
-from .execute import Runner
-from .finisher import RETRY_MAX, RETRY_START, Finisher
+from .execute import Runner, timed_out
+from .finisher import Finisher
 from .leases import LeaseKeeper
-from .migrations import check_schema
+from .migrations.check import check_schema
 from .notify import Listener
+from .observe import Observer
 from .registry import Registry
+from .scheduler import Scheduler
 from .statements import DEFAULT_LEASE, REAP_BATCH
 from .threads import HandlerThreads
+from .transactions import Transactions
 
 log = logging.getLogger("sqla_jobq.worker")
 
@@ -64,8 +67,10 @@ DEFAULT_PREFETCH = 64
 STALL_SECONDS = 0.25
 HANDOFF_SECONDS = 0.0005
 # An empty claim while the next job is "due now" means its row is locked by
-# another session: back off from this, doubling up to the poll interval.
+# another session, or its queue is at its concurrency limit: back off from
+# this, doubling up to EMPTY_BACKOFF_MAX (a freed slot is not announced).
 EMPTY_BACKOFF_START = 0.05
+EMPTY_BACKOFF_MAX = 1.0
 # `--reconnect` defaults to lazy for polls at least this long (serverless).
 LAZY_RECONNECT_POLL = 60.0
 
@@ -111,9 +116,12 @@ class WorkerOptions:
 
 
 class Worker:
-    def __init__(self, registry: Registry, options: WorkerOptions) -> None:
+    def __init__(
+        self, registry: Registry, options: WorkerOptions, observers: Sequence[Observer] = ()
+    ) -> None:
         self.registry = registry
         self.options = options
+        self.observers = list(observers)
         self.queues = list(options.queues) or registry.queues or ["default"]
         leases = [t.lease for t in registry.tasks.values()] or [DEFAULT_LEASE]
         self.claim_lease = min(leases)
@@ -126,7 +134,14 @@ class Worker:
             tick=max(0.05, min(5.0, self.claim_lease.total_seconds() / 6)),
         )
         self.threads = HandlerThreads(options.concurrency)
-        self.runner = Runner(registry, self.threads)
+        self.transactions = (
+            Transactions(options.database_url, options.concurrency)
+            if any(t.transactional for t in registry.tasks.values())
+            else None
+        )
+        self.runner = Runner(registry, self.threads, self.observers, self.transactions)
+        self.scheduler = Scheduler(registry) if registry.schedules else None
+        self.next_fire: datetime | None = None
         self.listener: Listener | None = None
         self.attempts: dict[Key, Attempt] = {}  # every attempt not settled yet
         self.ready: deque[Attempt] = deque()  # claimed, waiting for a slot
@@ -139,6 +154,7 @@ class Worker:
         self.event = asyncio.Event()
         self.stopping = False
         self.stall_check: asyncio.TimerHandle | None = None
+        self.limited = False  # one of our queues has a concurrency limit: no prefetch
         self.last_reap = float("-inf")
         self.last_prune = float("-inf")
         self.job_tasks: set[asyncio.Task[None]] = set()
@@ -172,6 +188,7 @@ class Worker:
                 self.queues,
                 self.wake,
                 eager=self.options.eager_reconnect,
+                hint=self._hint,
             )
             helpers.append(asyncio.create_task(self.listener.run(), name="listener"))
         log.info(
@@ -204,6 +221,11 @@ class Worker:
 
     def wake(self) -> None:
         self.event.set()
+
+    def _hint(self, payload: str) -> None:
+        """A notification that is not a queue's: a running job was cancelled."""
+        if payload.startswith("#cancel ") and self.attempts:
+            self.leases.check_now()
 
     def stop(self) -> None:
         """Stop claiming; running jobs get `shutdown_timeout` to finish."""
@@ -239,7 +261,7 @@ class Worker:
         concurrency = self.options.concurrency
         free = concurrency - len(self.running) - len(self.ready)
         extra = 0
-        if self.avg_handler is not None:
+        if self.avg_handler is not None and not self.limited:
             per_job = max(self.avg_handler, self._longest_running(), 1e-6)
             extra = min(self.options.prefetch, int(concurrency * PREFETCH_SECONDS / per_job))
         unheld = self.max_held - len(self.attempts)
@@ -283,12 +305,14 @@ class Worker:
             if len(rows) == want:
                 empty = 0
                 continue
+            empty = 0 if rows else empty + 1
             if self.options.burst:
                 if not self.running and not rows and not self.ready:
-                    return
+                    if not await self._burst_waits(empty):
+                        return
+                    continue
                 await self._wait(None)
                 continue
-            empty = 0 if rows else empty + 1
             if rows:
                 # Block briefly first: the jobs just started get their handler
                 # threads going while this thread waits, not after the lookup.
@@ -305,10 +329,27 @@ class Worker:
             log.warning("could not look up the next scheduled job: %s", exc)
             return min(poll, RETRY_MAX)
         timeout = poll if due is None else min(poll, due)
+        if self.next_fire is not None:
+            timeout = min(timeout, max(0.0, (self.next_fire - datetime.now(UTC)).total_seconds()))
         if empty:
-            backoff = EMPTY_BACKOFF_START * 2 ** min(empty - 1, 30)
-            timeout = max(timeout, min(poll, backoff))
+            timeout = max(timeout, min(poll, _empty_backoff(empty)))
         return timeout
+
+    async def _burst_waits(self, empty: int) -> bool:
+        """A burst worker found nothing to claim: wait and claim again while
+        jobs are due now that it could not take (locked by another session,
+        or their queue at its limit), for up to a poll interval; else done."""
+        waited = sum(_empty_backoff(n) for n in range(1, empty))
+        if waited >= self.options.poll_interval:
+            return False
+        try:
+            due = await self.claimer.seconds_until_next()
+        except psycopg.Error:
+            return False
+        if due is None or due > 0:
+            return False
+        await self._wait(_empty_backoff(empty), interruptible=False)
+        return True
 
     async def _wait(self, timeout: float | None, *, interruptible: bool = True) -> None:
         if not interruptible:
@@ -324,14 +365,20 @@ class Worker:
         Riding on the claim loop means an idle worker runs them only when it
         wakes anyway, so maintenance never keeps a serverless compute awake.
         """
+        if self.scheduler is not None and self._fire_due():
+            self.next_fire = await self.scheduler.tick(await self.claimer.connection())
         now = time.monotonic()
         if now - self.last_reap >= self.options.reap_interval:
             self.last_reap = now
             await self._reap()
+            self.limited = await self.claimer.limited()
         older_than = self.options.prune_older_than
         if older_than is not None and now - self.last_prune >= self.options.prune_interval:
             self.last_prune = now
             await self._prune(older_than)
+
+    def _fire_due(self) -> bool:
+        return self.next_fire is None or self.next_fire <= datetime.now(UTC)
 
     async def _reap(self) -> None:
         while True:
@@ -373,6 +420,7 @@ class Worker:
                 continue
             attempt.start()
             self.running[attempt.key] = attempt
+            self._observe_start(attempt)
             job_task = asyncio.create_task(self._execute(attempt))
             self.job_tasks.add(job_task)
             job_task.add_done_callback(self.job_tasks.discard)
@@ -381,13 +429,17 @@ class Worker:
             self.stall_check = loop.call_later(STALL_SECONDS, self._check_stall)
 
     async def _execute(self, attempt: Attempt) -> None:
+        timer = self._start_timeout(attempt)
         try:
             outcome = await self.runner.run(attempt)
         except Exception as exc:  # a bug of ours: still this attempt's failure alone
             log.exception("%s: internal error", attempt.describe())
             outcome = Outcome(error=f"{type(exc).__name__}: {exc}", exc=exc)
         finally:
+            if timer is not None:
+                timer.cancel()
             self.running.pop(attempt.key, None)
+            self._observe_running()
             assert attempt.started_at is not None
             took = time.monotonic() - attempt.started_at
             avg = self.avg_handler
@@ -396,9 +448,61 @@ class Worker:
             if self._room():
                 self.wake()
         if attempt.finish(outcome):
-            self.finisher.add(attempt)
+            self._record(attempt, outcome)
+        elif attempt.state in (State.LOST, State.HANDED_BACK):
+            # Settled while it ran; what it did now counts for nothing.
+            cancelled = attempt.cancelled is Cancel.CANCELLED
+            self._log_job(attempt, "cancelled" if cancelled else attempt.state.value)
+
+    def _record(self, attempt: Attempt, outcome: Outcome) -> None:
+        """Hand the outcome to the finisher, unless a transactional task's own
+        transaction settled it already (completed, or found it lost)."""
+        if outcome.settled == "done":
+            attempt.recorded()
+            self._settled(attempt, "done (in its own transaction)", "done")
+        elif outcome.settled == "lost":
+            attempt.lose()
+            self._settled(attempt, "lost (no longer ours; its transaction rolled back)", "lost")
         else:
-            self._log_job(attempt, attempt.state.value)
+            self.finisher.add(attempt)
+
+    def _start_timeout(self, attempt: Attempt) -> asyncio.TimerHandle | None:
+        task = self.registry.get(attempt.task_name)
+        if task is None or task.timeout is None:
+            return None
+        loop = asyncio.get_running_loop()
+        return loop.call_later(task.timeout.total_seconds(), self._time_out, attempt)
+
+    def _time_out(self, attempt: Attempt) -> None:
+        """An async handler is cancelled; a sync one cannot be stopped, so its
+        attempt is recorded as failed now and whatever it does later is dropped."""
+        if attempt.state is not State.STARTED:
+            return
+        log.warning("%s: timed out; recorded as failed", attempt.describe())
+        if attempt.handler is not None:
+            attempt.cancel(Cancel.TIMEOUT)
+        elif attempt.finish(timed_out(attempt)):
+            attempt.cancel_event.set()
+            self.finisher.add(attempt)
+
+    def _observe_start(self, attempt: Attempt) -> None:
+        if not self.observers:
+            return
+        run_at = attempt.row.get("run_at")
+        delay = None if run_at is None else (datetime.now(UTC) - run_at).total_seconds()
+        for observer in self.observers:
+            _quietly(observer.started, attempt.row["queue"], attempt.task_name, delay)
+        self._observe_running()
+
+    def _observe_running(self) -> None:
+        if not self.observers:
+            return
+        counts: dict[str, int] = dict.fromkeys(self.queues, 0)
+        for attempt in self.running.values():
+            queue = attempt.row["queue"]
+            counts[queue] = counts.get(queue, 0) + 1
+        for observer in self.observers:
+            _quietly(observer.running, counts)
 
     def _check_stall(self) -> None:
         """Prefetched attempts stuck behind busy slots go back to the queue."""
@@ -427,35 +531,39 @@ class Worker:
     def _unsettled(self) -> Iterable[Attempt]:
         return list(self.attempts.values())
 
-    def _settled(self, attempt: Attempt, outcome: str) -> None:
+    def _settled(self, attempt: Attempt, outcome: str, kind: str) -> None:
         self.attempts.pop(attempt.key, None)
-        self._log_job(attempt, outcome)
+        self._log_job(attempt, outcome, kind)
         if self.held_back:
             self.wake()
 
-    def _log_job(self, attempt: Attempt, outcome: str) -> None:
+    def _log_job(self, attempt: Attempt, outcome: str, kind: str | None = None) -> None:
         self.processed += 1
         started = attempt.started_at or attempt.claimed_at
-        log.info(
-            "%s duration=%.1fms outcome=%s",
-            attempt.describe(),
-            (time.monotonic() - started) * 1000,
-            outcome,
-        )
+        took = time.monotonic() - started
+        log.info("%s duration=%.1fms outcome=%s", attempt.describe(), took * 1000, outcome)
+        for observer in self.observers:
+            queue = attempt.row["queue"]
+            _quietly(observer.settled, queue, attempt.task_name, kind or outcome, took)
 
-    def _lost(self, attempt: Attempt) -> None:
-        """The lease keeper found the attempt's row taken away: stop it, touch nothing."""
+    def _lost(self, attempt: Attempt, fate: str = "") -> None:
+        """The attempt's row is not ours any more: stop it, touch nothing. A
+        cancelled job is stopped the same way; only the words differ."""
         was = attempt.state
         attempt.lose()
         self.attempts.pop(attempt.key, None)
-        log.warning(
-            "%s: lease lost (reaped or taken over); it will not be completed by this worker",
-            attempt.describe(),
-        )
-        if was is State.STARTED:
-            attempt.cancel(Cancel.LOST)
+        cancelled = fate == "cancelled"
+        if cancelled:
+            log.info("%s: cancelled; stopping it", attempt.describe())
         else:
-            self._log_job(attempt, "lost")
+            log.warning(
+                "%s: lease lost (reaped or taken over); it will not be completed by this worker",
+                attempt.describe(),
+            )
+        if was is State.STARTED:
+            attempt.cancel(Cancel.CANCELLED if cancelled else Cancel.LOST)
+        else:
+            self._log_job(attempt, "cancelled" if cancelled else "lost")
 
     async def _hand_back(self, attempts: list[Attempt], *, refund: bool, why: str) -> None:
         """Return attempts to the queue in one statement, retried until each is
@@ -467,7 +575,7 @@ class Worker:
             try:
                 done = await self.claimer.hand_back([a.key for a in remaining], refund=refund)
                 missed = [a for a in remaining if a.key not in done]
-                ours = await self.claimer.held([a.key for a in missed]) if missed else set()
+                fates = await self.claimer.fates([a.key for a in missed]) if missed else {}
             except psycopg.Error as exc:
                 log.warning("could not hand back %d jobs (%s); retrying", len(remaining), exc)
                 await asyncio.sleep(delay)
@@ -479,9 +587,10 @@ class Worker:
                     attempt.handed_back()
                     self.attempts.pop(attempt.key, None)
                     back.append(attempt)
-                elif attempt.key not in ours and not attempt.state.settled:
-                    self._lost(attempt)
-            remaining = [a for a in missed if a.key in ours and not a.state.settled]
+                elif fates.get(attempt.key) != "running" and not attempt.state.settled:
+                    self._lost(attempt, fates.get(attempt.key, ""))
+            busy = {k for k, fate in fates.items() if fate == "running"}
+            remaining = [a for a in missed if a.key in busy and not a.state.settled]
             if remaining:
                 await asyncio.sleep(delay)
                 remaining = self._still_valid(remaining)
@@ -528,4 +637,20 @@ class Worker:
             await self.listener.stop()
         for driver in (self.claimer, self.finisher.driver, self.leases.driver):
             await driver.close()
+        if self.transactions is not None:
+            await self.transactions.dispose()
         self.threads.shutdown()
+
+
+
+def _empty_backoff(empty: int) -> float:
+    """The wait after `empty` claims in a row found nothing although a job was due."""
+    backoff: float = EMPTY_BACKOFF_START * 2 ** min(empty - 1, 30)
+    return min(EMPTY_BACKOFF_MAX, backoff)
+
+def _quietly(hook: Callable[..., None], *args: object) -> None:
+    """Call an observer's hook; a hook that raises is logged, never fatal."""
+    try:
+        hook(*args)
+    except Exception:
+        log.exception("observer hook %s raised; ignored", getattr(hook, "__qualname__", hook))

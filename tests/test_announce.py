@@ -181,7 +181,7 @@ def heard_of_an_insert_and_a_put_back(database_url: str, table: Table, channel: 
     [("a$jobq$b ", None), ("o'q\\ $jobq$ ", "s'$jobq$")],
     ids=["dollar tag", "quotes, backslash and dollar tag in table and schema"],
 )
-def test_names_with_dollar_tags_or_quotes_migrate_up_to_3_and_down_to_0_with_working_triggers(
+def test_names_with_dollar_tags_or_quotes_migrate_up_and_down_to_0_with_working_triggers(
     database_url: str, raw: Raw, name: str, schema: str | None
 ) -> None:
     names = Names(unique(name), schema)
@@ -189,11 +189,11 @@ def test_names_with_dollar_tags_or_quotes_migrate_up_to_3_and_down_to_0_with_wor
         raw.execute(f"CREATE SCHEMA {quote_ident(schema)}".encode())
     table = jobs_table(MetaData(), names.table, schema)
     try:
-        migrate(raw, names, 0, 3)
+        migrate(raw, names, 0, LATEST)
         heard_of_an_insert_and_a_put_back(
             database_url, table, canonical_channel(schema or "public", names.table)
         )
-        migrate(raw, names, 3, 2)  # the literal channel of version 2 is back
+        migrate(raw, names, LATEST, 2)  # the literal channel of version 2 is back
         with listening(database_url, names.literal_channel) as listener:
             with engine_on(database_url, None) as engine, engine.begin() as conn:
                 client.enqueue(conn, table, "t", {}, queue="v2")
@@ -205,7 +205,8 @@ def test_names_with_dollar_tags_or_quotes_migrate_up_to_3_and_down_to_0_with_wor
     assert raw.execute("SELECT to_regclass(%s)", [names.qualified]).fetchone() == (None,)
     functions = raw.execute(
         "SELECT count(*) FROM pg_proc WHERE proname = ANY(%s)",
-        [[names.notify_function, names.notify_requeue_function]],
+        [[names.notify_function, names.notify_requeue_function, names.notify_finished,
+          names.notify_cancel]],
     )
     assert functions.fetchone() == (0,)
 

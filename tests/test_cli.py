@@ -24,7 +24,7 @@ from psycopg.rows import dict_row
 from sqlalchemy import Engine, MetaData, Table, text
 from workerapp import SIDE_DDL
 
-from sqla_jobq import client
+from sqla_jobq import client, statements
 from sqla_jobq.db import conninfo
 from sqla_jobq.migrations import check_schema
 from sqla_jobq.schema import Names, jobs_table
@@ -377,8 +377,8 @@ def test_retry_sends_a_failed_job_back_with_attempts_kept_and_one_more_allowed(
     )
     assert row["run_at"] <= row["db_now"]
     before = rows(raw, table)
-    refused(jobq("retry", str(job_id)), f"no failed job {job_id}", code=1)
-    refused(jobq("retry", "999999"), "no failed job 999999", code=1)
+    refused(jobq("retry", str(job_id)), f"no failed or cancelled job {job_id}", code=1)
+    refused(jobq("retry", "999999"), "no failed or cancelled job 999999", code=1)
     assert rows(raw, table) == before
 
 
@@ -398,17 +398,23 @@ def test_retry_of_a_job_whose_unique_key_an_active_job_holds_names_it_and_change
     assert rows(raw, table) == before
 
 
-def test_cancel_fails_a_queued_job_as_cancelled(
+def test_cancel_moves_a_queued_or_running_job_to_cancelled(
     jobq: Jobq, engine: Engine, raw: Raw, table: Table
 ) -> None:
     with engine.begin() as conn:
         job_id = client.enqueue(conn, table, "t", {})
-    assert ok(jobq("cancel", str(job_id))) == f"{job_id}\n"
+        running_id = client.enqueue(conn, table, "t", {}, priority=-1)
+    assert ok(jobq("cancel", str(job_id))) == f"{job_id} cancelled\n"
     row = job(raw, table, job_id)
-    assert (row["status"], row["last_error"], row["attempts"]) == ("failed", "cancelled", 0)
-    assert row["finished_at"] is not None
+    assert (row["status"], row["attempts"]) == ("cancelled", 0)
+    assert row["finished_at"] is not None and row["cancel_requested_at"] is not None
+    with engine.begin() as conn:
+        assert conn.execute(statements.claim(table)).one().id == running_id
+    out = ok(jobq("cancel", str(running_id)))
+    assert out == f"{running_id} cancelled (its worker stops it at its next heartbeat)\n"
+    assert job(raw, table, running_id)["status"] == "cancelled"
     before = rows(raw, table)
-    refused(jobq("cancel", str(job_id)), f"no queued job {job_id}", code=1)
+    refused(jobq("cancel", str(job_id)), f"no queued or running job {job_id}", code=1)
     assert rows(raw, table) == before
 
 

@@ -26,7 +26,7 @@ from sqla_jobq.cli import require_url
 from sqla_jobq.db import conninfo, sqlalchemy_url
 from sqla_jobq.demo import embedded_left_as_found
 from sqla_jobq.errors import UsageError
-from sqla_jobq.migrations import check_schema
+from sqla_jobq.migrations.check import check_schema
 from sqla_jobq.schema import jobs_table
 
 needs_pgserver = pytest.mark.skipif(
@@ -142,7 +142,8 @@ def test_demo_leaves_the_server_as_it_found_it(embedded_url: str) -> None:
 
 
 @needs_pgserver
-def test_database_is_migrated(embedded_url: str) -> None:
+def test_cli_migrates_the_embedded_database_it_resolves(embedded_url: str) -> None:
+    require_url("embedded")
     engine = create_engine(sqlalchemy_url(embedded_url), poolclass=NullPool)
     try:
         with engine.connect() as conn:

@@ -133,8 +133,10 @@ def test_standalone_upgrade_creates_the_queue_and_downgrade_removes_all_of_it(
     alembic(REPO_ROOT, "upgrade", "head", url=fresh_db)
     after = catalog(fresh_db)
     assert after.relations >= QUEUE_V1_RELATIONS | ALEMBIC_RELATIONS
-    assert after.functions == {"jobs_notify", "jobs_notify_requeue"}
-    assert after.triggers == {"jobs_notify", "jobs_notify_requeue"}
+    notifiers = {"jobs_notify", "jobs_notify_requeue", "jobs_notify_finished", "jobs_notify_cancel"}
+    queue_control = {"jobs_claim_slots", "jobs_claim_quotas", "jobs_queues_notify"}
+    assert after.functions == notifiers | queue_control
+    assert after.triggers == notifiers | {"jobs_queues_notify"}
     assert parse_version_comment(table_comment(fresh_db, "jobs")) == LATEST
 
     alembic(REPO_ROOT, "downgrade", "base", url=fresh_db)
@@ -352,7 +354,7 @@ CUSTOM_TASKS = """
 
     def upgrade() -> None:
         op.execute("CREATE SCHEMA work")
-        sqla_jobq.migrations.upgrade(version=1, name="tasks", schema="work")
+        sqla_jobq.migrations.upgrade(version=LATEST, name="tasks", schema="work")
 
 
     def downgrade() -> None:
@@ -370,7 +372,7 @@ CUSTOM_MAIL = """
 
 
     def upgrade() -> None:
-        sqla_jobq.migrations.upgrade(version=1, name="mail")
+        sqla_jobq.migrations.upgrade(version=LATEST, name="mail")
 
 
     def downgrade() -> None:
@@ -383,15 +385,16 @@ def test_host_revisions_create_custom_named_queues_that_work_and_drop_them(
 ) -> None:
     project = tmp_path / "custom"
     write(project / "migrations" / "env.py", CUSTOM_ENV)
-    write(project / "versions" / "app_0001_tasks.py", CUSTOM_TASKS)
-    write(project / "versions" / "app_0002_mail.py", CUSTOM_MAIL)
+    # Pinned to the version this code claims with (it reads every column).
+    write(project / "versions" / "app_0001_tasks.py", CUSTOM_TASKS.replace("LATEST", str(LATEST)))
+    write(project / "versions" / "app_0002_mail.py", CUSTOM_MAIL.replace("LATEST", str(LATEST)))
     write(project / "alembic.ini", host_ini(fresh_db, "%(here)s/versions", "space"))
 
     alembic(project, "upgrade", "heads")
     assert "tasks" in catalog(fresh_db, "work").relations
     assert {"mail", "mail_claim_idx"} <= catalog(fresh_db).relations
-    assert table_comment(fresh_db, "work.tasks") == "sqla_jobq schema version 1"
-    assert table_comment(fresh_db, "mail") == "sqla_jobq schema version 1"
+    assert table_comment(fresh_db, "work.tasks") == f"sqla_jobq schema version {LATEST}"
+    assert table_comment(fresh_db, "mail") == f"sqla_jobq schema version {LATEST}"
 
     tasks = jobs_table(MetaData(), "tasks", "work")
     mail = jobs_table(MetaData(), "mail")

@@ -11,8 +11,9 @@ After every step the database must equal a plain-Python model, and:
 * attempts never decreases for any row, and max_attempts neither;
 * status changes are only those the step may make: queued->running (claim),
   running->done/queued/failed (complete, fail, release, reap), failed->queued
-  (retry only), queued->failed (cancel only); rows vanish only by prune, and only
-  when finished;
+  (retry only), queued/running->cancelled (cancel only; the owner of a cancelled
+  running job then matches nothing); rows vanish only by prune, and only when
+  finished;
 * a stale owner's statement matches 0 rows and leaves the row byte-for-byte as it was;
 * the rows the claim statement can see are exactly the queued, ready rows of the
   model, and the partial index serves exactly the queued rows.
@@ -48,8 +49,8 @@ LEGAL_BY_RULE: dict[str, set[tuple[str, str]]] = {
     "fail": {("running", "queued"), ("running", "failed")},
     "release": {("running", "queued")},
     "reap": {("running", "queued"), ("running", "failed")},
-    "retry": {("failed", "queued")},
-    "cancel": {("queued", "failed")},
+    "retry": {("failed", "queued"), ("cancelled", "queued")},
+    "cancel": {("queued", "cancelled"), ("running", "cancelled")},
 }
 
 
@@ -116,12 +117,12 @@ class QueueMachine(RuleBasedStateMachine):
         return held
 
     def guarded(
-        self, name: str, index: int, status: str, stmt_for: Any
+        self, name: str, index: int, status: str | tuple[str, ...], stmt_for: Any
     ) -> tuple[int, Row, Sequence[Any]] | None:
         """Run an admin statement on any job (picked by `index`): it applies only to
-        a job in `status`; on any other it must return no rows and leave the row
-        byte-for-byte as it was. Returns (job id, model row before, rows) when it
-        applied, None otherwise."""
+        a job in `status` (one, or any of several); on any other it must return no
+        rows and leave the row byte-for-byte as it was. Returns (job id, model row
+        before, rows) when it applied, None otherwise."""
         self.begin(name)
         job_id = self.pick(sorted(self.model), index)
         if job_id is None:
@@ -129,7 +130,7 @@ class QueueMachine(RuleBasedStateMachine):
         old = self.model[job_id]
         before = self.full_row(job_id)
         rows = self.conn.execute(stmt_for(job_id)).all()
-        if old.status != status:
+        if old.status not in ((status,) if isinstance(status, str) else status):
             assert rows == [] and self.full_row(job_id) == before
             return None
         return job_id, old, rows
@@ -253,12 +254,12 @@ class QueueMachine(RuleBasedStateMachine):
             assert (r.status, r.attempts) == (status, old.attempts)
             self.model[r.id] = replace(old, status=status, expired=False)
 
-    @precondition(lambda self: self.some("done", "failed"))
+    @precondition(lambda self: self.some("done", "failed", "cancelled"))
     @rule()
     def prune(self) -> None:
         self.begin("prune")
         count = self.conn.execute(statements.prune(self.table, older_than=timedelta(0))).rowcount
-        finished = [i for i, r in self.model.items() if r.status in ("done", "failed")]
+        finished = [i for i, r in self.model.items() if r.status in ("done", "failed", "cancelled")]
         assert count == len(finished)
         for i in finished:
             del self.model[i]
@@ -266,7 +267,9 @@ class QueueMachine(RuleBasedStateMachine):
     @precondition(lambda self: bool(self.model))
     @rule(index=st.integers(0, 50))
     def retry(self, index: int) -> None:
-        applied = self.guarded("retry", index, "failed", lambda i: statements.retry(self.table, i))
+        applied = self.guarded(
+            "retry", index, ("failed", "cancelled"), lambda i: statements.retry(self.table, i)
+        )
         if applied is None:
             return
         job_id, old, (row,) = applied
@@ -279,13 +282,13 @@ class QueueMachine(RuleBasedStateMachine):
     @rule(index=st.integers(0, 50))
     def cancel(self, index: int) -> None:
         applied = self.guarded(
-            "cancel", index, "queued", lambda i: statements.cancel(self.table, i)
+            "cancel", index, ("queued", "running"), lambda i: statements.cancel(self.table, i)
         )
         if applied is None:
             return
         job_id, old, rows = applied
-        assert len(rows) == 1
-        self.model[job_id] = replace(old, status="failed")
+        assert [tuple(r) for r in rows] == [(job_id, old.status)]
+        self.model[job_id] = replace(old, status="cancelled")
 
     # -- invariants ---------------------------------------------------------
 
@@ -300,9 +303,6 @@ class QueueMachine(RuleBasedStateMachine):
             i: (r.status, r.attempts, r.max_attempts, r.queue) for i, r in self.model.items()
         }
         assert actual == expected, self.step
-        for r in rows:
-            if r.status == "failed" and self.before.get(r.id, Row("", 0, 0, "")).status == "queued":
-                assert r.last_error == "cancelled"
 
     @invariant()
     def transitions_are_legal(self) -> None:
@@ -310,7 +310,8 @@ class QueueMachine(RuleBasedStateMachine):
         for i, old in self.before.items():
             new = self.model.get(i)
             if new is None:
-                assert self.step == "prune" and old.status in ("done", "failed"), (self.step, old)
+                finished = ("done", "failed", "cancelled")
+                assert self.step == "prune" and old.status in finished, (self.step, old)
                 continue
             assert new.attempts >= old.attempts, (self.step, i, old, new)
             assert new.max_attempts >= old.max_attempts, (self.step, i, old, new)

@@ -248,22 +248,31 @@ def test_release_requeues_without_lowering_attempts(engine: Engine, table: Table
         assert claim_one(conn, table).attempts == 2
 
 
-def test_cancel_takes_only_queued_jobs(engine: Engine, table: Table) -> None:
+def test_cancel_takes_queued_and_running_jobs_and_fences_out_their_owner(
+    engine: Engine, table: Table
+) -> None:
     with autocommit(engine) as conn:
         queued = client.enqueue(conn, table, "t", {}, priority=1)
         running = client.enqueue(conn, table, "t", {})
-        assert conn.execute(statements.cancel(table, queued)).scalars().all() == [queued]
+        assert [tuple(r) for r in conn.execute(statements.cancel(table, queued))] == [
+            (queued, "queued")
+        ]
         row = job(conn, table, queued)
-        assert (row.status, row.last_error, row.attempts) == ("failed", "cancelled", 0)
-        assert row.finished_at is not None
+        assert (row.status, row.attempts) == ("cancelled", 0)
+        assert row.finished_at is not None and row.cancel_requested_at is not None
 
         assert claim_one(conn, table).id == running
+        assert [tuple(r) for r in conn.execute(statements.cancel(table, running))] == [
+            (running, "running")
+        ]
+        # The owner's handler finishing anyway changes nothing: the fence refuses it.
+        assert conn.execute(statements.complete(table, running, 1)).rowcount == 0
+        assert conn.execute(statements.fail(table, running, 1, "late")).first() is None
+        fates = conn.execute(statements.fates(table, [(running, 1)])).all()
+        assert [tuple(f) for f in fates] == [(running, 1, "cancelled")]
         assert conn.execute(statements.cancel(table, running)).first() is None
-        assert job(conn, table, running).status == "running"
-        conn.execute(statements.complete(table, running, 1))
-        assert conn.execute(statements.cancel(table, running)).first() is None
-        assert conn.execute(statements.cancel(table, queued)).first() is None  # already failed
-        assert job(conn, table, running).status == "done"
+        assert conn.execute(statements.cancel(table, queued)).first() is None
+        assert job(conn, table, running).status == "cancelled"
 
 
 OPERATIONS = (

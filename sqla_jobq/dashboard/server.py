@@ -15,7 +15,7 @@ import uvicorn
 from sqlalchemy import Engine, Table, create_engine
 
 from ..errors import UsageError
-from ..migrations import check_schema
+from ..migrations.check import check_schema
 from .app import create_app
 
 APPLICATION_NAME = "jobq dashboard"

@@ -14,7 +14,7 @@ from sqlalchemy import Engine, MetaData, text
 from sqlalchemy.engine import Connection
 
 from .. import queue_statements
-from ..migrations import SchemaError, schema_version
+from ..migrations.check import SchemaError, schema_version
 from ..schema import QUEUES_VERSION, Names, jobs_table
 from .model import Facts, Row, Thresholds
 
@@ -173,13 +173,13 @@ def collect(conn: Connection, names: Names, thresholds: Thresholds) -> Facts:
         settings=_settings(conn, names, version),
     )
 
+
 def _settings(conn: Connection, names: Names, version: int) -> list[Row]:
     """Paused and limited queues; a table older than their settings has none."""
     if version < QUEUES_VERSION:
         return []
     table = jobs_table(MetaData(), names.table, names.schema)
     return [dict(r._mapping) for r in conn.execute(queue_statements.settings(table))]
-
 
 
 def _rows(conn: Connection, sql: str, params: Mapping[str, Any] | None = None) -> list[Row]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from ..migrations import LATEST
+from ..migrations.check import LATEST
 from ..schema import Names
 from .horizon import (
     horizon_age,

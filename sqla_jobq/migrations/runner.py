@@ -7,8 +7,8 @@ from alembic.config import Config
 from sqlalchemy import Connection, Engine, Table, create_engine, text
 from sqlalchemy.pool import NullPool
 
-from ..schema import Names, quote_ident
-from . import SchemaError, missing_triggers, schema_version
+from ..schema import Names, names_of, quote_ident
+from .check import SchemaError, missing_triggers, schema_version
 from .steps import LATEST, repair_statements, up_statements
 
 
@@ -31,7 +31,7 @@ def migrate_to_latest(url: str, table: Table) -> int:
     a custom-named one gets the same steps directly. A current table whose
     NOTIFY triggers were dropped or disabled gets them back; a table already
     current and whole is left alone without taking the lock."""
-    names = Names(table.name, table.schema)
+    names = names_of(table)
     engine = create_engine(url, poolclass=NullPool)
     try:
         with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as lock:

@@ -13,8 +13,6 @@ from dataclasses import dataclass
 
 from ..schema import UNIQUE_WHERE, Names, qualify, quote_ident, quote_literal, version_comment
 
-Execute = Callable[[str], object]
-
 
 @dataclass(frozen=True)
 class Step:
@@ -194,6 +192,7 @@ def repair_statements(n: Names) -> list[str]:
         _insert_trigger(n),
         f"DROP TRIGGER IF EXISTS {quote_ident(n.notify_requeue_trigger)} ON {table}",
         _requeue_trigger(n),
+        *_v5_triggers(n, replace=True),
     ]
 
 
@@ -221,6 +220,63 @@ def _v4_down(n: Names) -> list[str]:
         f"COMMENT ON TABLE {n.archive_qualified} IS {quote_literal(version_comment(2))}",
         f"ALTER TABLE {n.qualified} DROP COLUMN scheduled_for",
         f"DROP TABLE {n.schedules_qualified}",
+    ]
+
+
+_V5_FINISHED_BODY = f"""
+BEGIN
+  PERFORM pg_notify({_CHANNEL}, '#finished ' || NEW.id);
+  RETURN NULL;
+END;
+"""
+
+_V5_CANCEL_BODY = f"""
+BEGIN
+  PERFORM pg_notify({_CHANNEL}, '#cancel ' || NEW.id);
+  RETURN NULL;
+END;
+"""
+
+
+def _row_trigger(n: Names, name: str, when: str) -> str:
+    return (
+        f"CREATE TRIGGER {quote_ident(name)} AFTER UPDATE OF status ON {n.qualified} "
+        f"FOR EACH ROW WHEN ({when}) EXECUTE FUNCTION {qualify(n.schema, name)}()"
+    )
+
+
+# Only rows someone waits on (`wait_for` sets `awaited`) and running jobs
+# cancelled call plpgsql; every other completion passes on the WHEN alone.
+_FINISHED_WHEN = (
+    "NEW.awaited AND NEW.status IN ('done', 'failed', 'cancelled') "
+    "AND OLD.status IS DISTINCT FROM NEW.status"
+)
+_CANCEL_WHEN = "NEW.status = 'cancelled' AND OLD.status = 'running'"
+_V5_COLUMNS = (
+    "ADD COLUMN cancel_requested_at timestamptz, ADD COLUMN result jsonb, "
+    "ADD COLUMN traceparent text, ADD COLUMN awaited boolean NOT NULL DEFAULT false"
+)
+
+
+def _v5_triggers(n: Names, *, replace: bool) -> list[str]:
+    sql: list[str] = []
+    for name, body, when in (
+        (n.notify_finished, _V5_FINISHED_BODY, _FINISHED_WHEN),
+        (n.notify_cancel, _V5_CANCEL_BODY, _CANCEL_WHEN),
+    ):
+        sql.append(_function(qualify(n.schema, name), body, replace=replace))
+        if replace:
+            sql.append(f"DROP TRIGGER IF EXISTS {quote_ident(name)} ON {n.qualified}")
+        sql.append(_row_trigger(n, name, when))
+    return sql
+
+
+def _status_check(n: Names, statuses: str) -> list[str]:
+    table = n.qualified
+    return [
+        f"ALTER TABLE {table} DROP CONSTRAINT {quote_ident(n.status_check)}",
+        f"ALTER TABLE {table} ADD CONSTRAINT {quote_ident(n.status_check)} "
+        f"CHECK (status IN ({statuses}))",
     ]
 
 
@@ -332,6 +388,65 @@ def _v5_queue_control(n: Names) -> list[str]:
     ]
 
 
+def _v5_up(n: Names) -> list[str]:
+    queues, workers = n.queues_qualified, n.workers_qualified
+    return [
+        *_status_check(n, "'queued', 'running', 'done', 'failed', 'cancelled'"),
+        f"ALTER TABLE {n.qualified} {_V5_COLUMNS}",
+        f"ALTER TABLE {n.archive_qualified} {_V5_COLUMNS}",
+        f"ALTER TABLE {n.archive_qualified} ALTER COLUMN awaited DROP DEFAULT",
+        f"COMMENT ON TABLE {n.archive_qualified} IS {quote_literal(version_comment(5))}",
+        *_v5_triggers(n, replace=False),
+        f"""CREATE TABLE {queues} (
+  name              text        CONSTRAINT {quote_ident(n.queues_pkey)} PRIMARY KEY,
+  paused            boolean     NOT NULL DEFAULT false,
+  concurrency_limit int         CONSTRAINT {quote_ident(n.queues + "_limit_check")}
+                                CHECK (concurrency_limit > 0),
+  updated_at        timestamptz NOT NULL DEFAULT now()
+)""",
+        f"COMMENT ON TABLE {queues} IS {quote_literal(version_comment(5))}",
+        *_v5_queue_control(n),
+        f"""CREATE TABLE {workers} (
+  id           text        CONSTRAINT {quote_ident(n.workers_pkey)} PRIMARY KEY,
+  host         text        NOT NULL,
+  pid          int         NOT NULL,
+  queues       text[]      NOT NULL,
+  concurrency  int         NOT NULL,
+  started_at   timestamptz NOT NULL DEFAULT now(),
+  heartbeat_at timestamptz NOT NULL DEFAULT now(),
+  jobs_done    bigint      NOT NULL DEFAULT 0,
+  beat_interval interval   NOT NULL
+)""",
+        f"COMMENT ON TABLE {workers} IS {quote_literal(version_comment(5))}",
+    ]
+
+
+def _v5_down(n: Names) -> list[str]:
+    table = n.qualified
+    columns = ("cancel_requested_at", "result", "traceparent", "awaited")
+    drop_columns = ", ".join(f"DROP COLUMN {c}" for c in columns)
+    # IF EXISTS: an archive dropped and re-created by step 2 alone lacks them.
+    drop_archived = ", ".join(f"DROP COLUMN IF EXISTS {c}" for c in columns)
+    return [
+        f"DROP TABLE {n.workers_qualified}",
+        f"DROP FUNCTION {qualify(n.schema, n.claim_quotas)}(text[])",
+        f"DROP FUNCTION {qualify(n.schema, n.claim_slots)}(text)",
+        f"DROP TABLE {n.queues_qualified}",
+        f"DROP FUNCTION {qualify(n.schema, n.queues_notify)}()",
+        f"DROP TRIGGER {quote_ident(n.notify_cancel)} ON {table}",
+        f"DROP FUNCTION {qualify(n.schema, n.notify_cancel)}()",
+        f"DROP TRIGGER {quote_ident(n.notify_finished)} ON {table}",
+        f"DROP FUNCTION {qualify(n.schema, n.notify_finished)}()",
+        # A cancelled job did not exist before version 5: it reads as failed.
+        f"UPDATE {table} SET status = 'failed', last_error = coalesce(last_error, 'cancelled') "
+        "WHERE status = 'cancelled'",
+        *_status_check(n, "'queued', 'running', 'done', 'failed'"),
+        f"ALTER TABLE {table} {drop_columns}",
+        f"ALTER TABLE {n.archive_qualified} {drop_archived}",
+        f"COMMENT ON TABLE {n.archive_qualified} IS {quote_literal(version_comment(4))}",
+    ]
+
+
 STEPS: tuple[Step, ...] = (
     Step(
         1,
@@ -363,6 +478,17 @@ STEPS: tuple[Step, ...] = (
         "the nullable `scheduled_for` column, the fire time, on the jobs and archive tables",
         _v4_up,
         _v4_down,
+    ),
+    Step(
+        5,
+        "scheduling and control: the `cancelled` status and `cancel_requested_at`; "
+        "`result` (a task's return value), `traceparent` (the enqueuing trace) and "
+        "`awaited` (someone waits on the job) on the jobs and archive tables; row "
+        "triggers announcing awaited jobs' ends and running jobs cancelled; the queue "
+        "settings table `<name>_queues` (paused, concurrency limit) and the worker "
+        "registry `<name>_workers`",
+        _v5_up,
+        _v5_down,
     ),
 )
 

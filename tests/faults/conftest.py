@@ -55,7 +55,10 @@ LEGAL = {
     ("running", "queued"),
     ("running", "failed"),
     ("failed", "queued"),  # retry only
-    ("queued", "failed"),  # cancel only
+    ("cancelled", "queued"),  # retry only
+    ("queued", "failed"),  # cancel only, before schema version 5
+    ("queued", "cancelled"),
+    ("running", "cancelled"),
 }
 
 
