@@ -15,7 +15,7 @@ import contextlib
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from datetime import timedelta
 
 import psycopg
@@ -41,6 +41,9 @@ class LeaseKeeper:
         self.lost = lost  # (attempt, its row's status now: "cancelled", or "" when gone)
         self.tick = tick
         self.poke = asyncio.Event()
+        # Called after each extension that reached the database (the worker
+        # refreshes its registry row on that round trip's connection).
+        self.sent: Callable[[], Awaitable[None]] | None = None
 
     def check_now(self) -> None:
         """Look at every lease now (a cancel was announced), not at the next tick."""
@@ -70,6 +73,8 @@ class LeaseKeeper:
 
     async def _extend(self, lease: timedelta, batch: list[Attempt], sent: float) -> None:
         extended = await self.driver.extend_leases([a.key for a in batch], lease)
+        if self.sent is not None:
+            await self.sent()
         for attempt in batch:
             if attempt.key in extended:
                 attempt.extended(sent)

@@ -23,7 +23,8 @@ class Observer:
         """A handler starts; `pickup_delay`: seconds from the job's `run_at`."""
 
     def settled(self, queue: str, task: str | None, kind: str, duration: float) -> None:
-        """An attempt is over: `kind` is done, retry, failed, cancelled or lost."""
+        """An attempt is over: `kind` is done, retry, failed, cancelled, lost,
+        or "handed back" (returned unfinished to the queue at shutdown)."""
 
     def running(self, counts: dict[str, int]) -> None:
         """Jobs running now, per queue (after every start and end)."""

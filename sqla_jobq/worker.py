@@ -28,7 +28,7 @@ import os
 import signal
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -46,6 +46,7 @@ from .leases import LeaseKeeper
 from .migrations.check import check_schema
 from .notify import Listener
 from .observe import Observer
+from .presence import Presence, WorkerInfo
 from .registry import Registry
 from .scheduler import Scheduler
 from .statements import DEFAULT_LEASE, REAP_BATCH
@@ -143,6 +144,12 @@ class Worker:
         self.scheduler = Scheduler(registry) if registry.schedules else None
         self.next_fire: datetime | None = None
         self.listener: Listener | None = None
+        longest = max(leases)
+        info = WorkerInfo.here(self.queues, options.concurrency, options.poll_interval, longest)
+        self.presence = Presence(registry.table, info)
+        self.leases.sent = self._beat_after_extension
+        # Jobs running per queue, kept as they start and end (observers read it).
+        self.running_counts: dict[str, int] = dict.fromkeys(self.queues, 0)
         self.attempts: dict[Key, Attempt] = {}  # every attempt not settled yet
         self.ready: deque[Attempt] = deque()  # claimed, waiting for a slot
         self.running: dict[Key, Attempt] = {}  # started, oldest first
@@ -173,6 +180,7 @@ class Worker:
         another thread passes False and calls `stop()` instead.
         """
         channel = await asyncio.to_thread(self._check_schema)
+        await self._presence(self.claimer, self.presence.register)
         loop = asyncio.get_running_loop()
         signals = (signal.SIGTERM, signal.SIGINT) if handle_signals else ()
         for sig in signals:
@@ -221,6 +229,22 @@ class Worker:
 
     def wake(self) -> None:
         self.event.set()
+
+    async def _presence(
+        self, driver: Driver, call: Callable[[psycopg.AsyncConnection[Any]], Awaitable[object]]
+    ) -> None:
+        """Keep the worker registry row on a connection the worker uses anyway;
+        the registry is for people watching, so a failure here is only logged."""
+        try:
+            await call(await driver.connection())
+        except psycopg.Error as exc:
+            log.debug("worker registry skipped: %s", exc)
+
+    async def _beat(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        await self.presence.beat(conn, self.processed)
+
+    async def _beat_after_extension(self) -> None:
+        await self._presence(self.leases.driver, self._beat)
 
     def _hint(self, payload: str) -> None:
         """A notification that is not a queue's: a running job was cancelled."""
@@ -297,6 +321,7 @@ class Worker:
                 delay = min(delay * 2, RETRY_MAX)
                 continue
             delay = RETRY_START
+            await self._presence(self.claimer, self._beat)
             if self.listener is not None:
                 self.listener.poke()
             for row in rows:
@@ -439,6 +464,7 @@ class Worker:
             if timer is not None:
                 timer.cancel()
             self.running.pop(attempt.key, None)
+            self.running_counts[attempt.row["queue"]] -= 1
             self._observe_running()
             assert attempt.started_at is not None
             took = time.monotonic() - attempt.started_at
@@ -486,6 +512,8 @@ class Worker:
             self.finisher.add(attempt)
 
     def _observe_start(self, attempt: Attempt) -> None:
+        queue = attempt.row["queue"]
+        self.running_counts[queue] = self.running_counts.get(queue, 0) + 1
         if not self.observers:
             return
         run_at = attempt.row.get("run_at")
@@ -495,14 +523,8 @@ class Worker:
         self._observe_running()
 
     def _observe_running(self) -> None:
-        if not self.observers:
-            return
-        counts: dict[str, int] = dict.fromkeys(self.queues, 0)
-        for attempt in self.running.values():
-            queue = attempt.row["queue"]
-            counts[queue] = counts.get(queue, 0) + 1
         for observer in self.observers:
-            _quietly(observer.running, counts)
+            _quietly(observer.running, self.running_counts)
 
     def _check_stall(self) -> None:
         """Prefetched attempts stuck behind busy slots go back to the queue."""
@@ -633,6 +655,7 @@ class Worker:
         for task in [*helpers, *self.job_tasks]:
             task.cancel()
         await asyncio.gather(*helpers, *self.job_tasks, return_exceptions=True)
+        await self._presence(self.claimer, self.presence.leave)
         if self.listener is not None:
             await self.listener.stop()
         for driver in (self.claimer, self.finisher.driver, self.leases.driver):

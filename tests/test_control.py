@@ -207,3 +207,26 @@ def test_a_burst_worker_drains_a_limited_queue_instead_of_leaving_at_its_cap(
         ids = [client.enqueue(conn, table, "brief", {}) for _ in range(30)]
     assert burst(registry, database_url, concurrency=4) == 0
     assert all(row(raw, table, j)["status"] == "done" for j in ids)
+
+
+# --------------------------------------------------------------------------- registry
+
+
+def test_a_worker_registers_itself_while_it_runs_and_leaves_on_a_clean_stop(
+    table: Table, raw: Raw, database_url: str
+) -> None:
+    registry = Registry(table)
+
+    @registry.task(name="noop")
+    def noop() -> None:
+        pass
+
+    workers = f'"{table.name}_workers"'
+    with running(registry, database_url, concurrency=3, poll_interval=30):
+        rows = wait_until(
+            lambda: raw.execute(f"SELECT pid, concurrency, queues FROM {workers}").fetchall(),
+            10,
+            "the worker's row",
+        )
+        assert [(r[1], r[2]) for r in rows] == [(3, ["default"])]
+    assert raw.execute(f"SELECT count(*) FROM {workers}").fetchone() == (0,)
