@@ -285,7 +285,7 @@ async def test_retry_and_cancel_change_the_job_and_return_to_it(
     assert retried.status_code == 303 and retried.headers["location"] == f"/jobs/{failed}"
     assert cancelled.status_code == 303
     assert status_of(raw, table, failed) == "queued"
-    assert status_of(raw, table, queued) == "failed"
+    assert status_of(raw, table, queued) == "cancelled"
     assert again.status_code == 409 and f"job {failed} is queued" in again.text
     assert absent.status_code == 404
 

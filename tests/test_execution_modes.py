@@ -72,11 +72,11 @@ async def lifecycle(run: Run, table: Table) -> None:
     await asyncio.sleep(0.02)
     assert [tuple(r) for r in (await run(statements.reap(table))).rows] == [(j5, "queued", 1)]
     assert [tuple(r) for r in (await run(statements.retry(table, j3))).rows] == [(j3, 1, 2)]
-    assert (await run(statements.cancel(table, j4))).rows == [(j4,)]
+    assert (await run(statements.cancel(table, j4))).rows == [(j4, "queued")]
     stats = {(r.queue, r.status): r.count for r in (await run(statements.stats(table))).rows}
     assert stats == {
+        ("default", "cancelled"): 1,
         ("default", "done"): 2,
-        ("default", "failed"): 1,
         ("default", "queued"): 2,
     }
     assert (await run(statements.prune(table, older_than=timedelta(0)))).rowcount == 3
