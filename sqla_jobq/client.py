@@ -22,8 +22,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session
 
 from . import statements, traceparent
-from .job import Job, LeaseLost
-from .statements import NewJob
+from .job import InvalidJob, Job, LeaseLost, NewJob
 
 Executor = Connection | Session
 AsyncExecutor = AsyncConnection | AsyncSession
@@ -206,6 +205,6 @@ async def complete_in_async(
 def _completion(table: Table, job: Job, result: Any) -> Any:
     try:
         stmt = statements.complete(table, job.id, job.attempts, result)
-    except statements.InvalidJob:  # a return value that is not JSON: complete without it
+    except InvalidJob:  # a return value that is not JSON: complete without it
         stmt = statements.complete(table, job.id, job.attempts)
     return stmt.returning(table.c.id)

@@ -28,6 +28,7 @@ from sqlalchemy.dialects.postgresql import psycopg as pg_psycopg
 
 from . import queue_statements, statements
 from .db import close_quietly, connect_kwargs, conninfo
+from .job import error_text
 
 log = logging.getLogger("sqla_jobq.driver")
 
@@ -160,7 +161,7 @@ class Driver:
     async def fail(self, key: Key, error: str) -> tuple[str, float] | None:
         """The job's new status and seconds until its retry, or None if not done."""
         rows = await self._rows(
-            "fail", id=key[0], attempts=key[1], error=statements.error_text(error)
+            "fail", id=key[0], attempts=key[1], error=error_text(error)
         )
         if not rows:
             return None

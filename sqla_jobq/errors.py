@@ -6,8 +6,9 @@ import psycopg
 from sqlalchemy.exc import OperationalError
 
 from .db import BadDatabaseURL
+from .job import InvalidJob
 from .migrations.check import SchemaError
-from .statements import InvalidJob
+from .migrations.host import RevisionRefused
 
 
 class UsageError(ValueError):
@@ -19,6 +20,7 @@ USER_ERRORS: tuple[type[BaseException], ...] = (
     BadDatabaseURL,
     SchemaError,
     InvalidJob,
+    RevisionRefused,
 )
 
 

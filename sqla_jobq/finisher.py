@@ -24,7 +24,7 @@ import psycopg
 from .attempt import Attempt, Key, State
 from .db import RETRY_MAX, RETRY_START
 from .driver import Driver
-from .statements import InvalidJob, encode_result
+from .job import InvalidJob, encode_result
 
 log = logging.getLogger("sqla_jobq.finisher")
 

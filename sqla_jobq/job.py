@@ -1,19 +1,34 @@
-"""A claimed job as values: what a handler sees through `current_job()`.
+"""A job as values: a new one (`NewJob`, checked and encoded before any SQL
+is built) and a claimed one (`Job`, what a handler sees through
+`current_job()`).
 
-Rows are decoded here, by column name, and nowhere else, so adding a column to
-the claim cannot shift what another module reads.
+Claimed rows are decoded here, by column name, and nowhere else, so adding a
+column to the claim cannot shift what another module reads. Payloads and
+results are encoded here, once, by the same strict JSON encoder.
 """
 
 from __future__ import annotations
 
+import json
+import re
 import threading
 from collections.abc import Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
-__all__ = ["Job", "JobCancelled", "LeaseLost", "current_job", "set_current_job"]
+__all__ = [
+    "InvalidJob",
+    "Job",
+    "JobCancelled",
+    "LeaseLost",
+    "NewJob",
+    "current_job",
+    "encode_payload",
+    "encode_result",
+    "set_current_job",
+]
 
 
 class JobCancelled(Exception):
@@ -96,3 +111,107 @@ def current_job() -> Job:
 def set_current_job(job: Job) -> None:
     """Bind `job` to the current context; the worker runs each job in a fresh one."""
     _current_job.set(job)
+
+
+class InvalidJob(ValueError):
+    """A job refused before anything reached the database."""
+
+
+@dataclass(frozen=True)
+class NewJob:
+    """One row for `enqueue_many`."""
+
+    task: str | None
+    payload: Any = field(default_factory=dict)
+    queue: str = "default"
+    run_at: datetime | None = None
+    delay: timedelta | None = None
+    priority: int = 0
+    max_attempts: int = 5
+    unique_key: str | None = None
+
+
+def check_text(what: str, value: str) -> str:
+    if not isinstance(value, str):
+        raise InvalidJob(f"{what} must be a string, not {type(value).__name__}")
+    if "\x00" in value:
+        raise InvalidJob(f"{what} contains a NUL character, which PostgreSQL text cannot store")
+    return value
+
+
+# Queue names travel as NOTIFY payloads (under 8000 bytes) and sit in btree
+# indexes with unique keys (entries of at most about 2.7 kB): refuse longer
+# ones here rather than fail inside the database, the transaction lost.
+MAX_KEY_BYTES = 1024
+
+
+def check_short_text(what: str, value: str) -> str:
+    check_text(what, value)
+    size = len(value.encode())
+    if size > MAX_KEY_BYTES:
+        raise InvalidJob(f"{what} is {size} bytes long; the limit is {MAX_KEY_BYTES} bytes")
+    return value
+
+
+def error_text(error: str) -> str:
+    """An error message PostgreSQL text can store (NUL removed)."""
+    if not isinstance(error, str):
+        raise InvalidJob(f"error must be a string, not {type(error).__name__}")
+    return error.replace("\x00", "")
+
+
+_JSON_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
+
+
+# One encoder for every payload: `json.dumps` with options builds a new one
+# per call, which is a third of the cost of encoding a small payload.
+_ENCODER = json.JSONEncoder(allow_nan=False, separators=(",", ":"))
+
+
+def encode_payload(payload: Any) -> str:
+    """Serialise a payload as strict JSON, refusing what jsonb would refuse."""
+    try:
+        encoded = _ENCODER.encode(payload)
+    except (TypeError, ValueError) as exc:
+        raise InvalidJob(f"payload is not JSON-serialisable: {exc}") from None
+    # A real NUL is a `\u0000` escape whose backslash is not itself escaped;
+    # the text "\\u0000" (a backslash, then "u0000") encodes as `\\u0000` and is fine.
+    if "\\u0000" in encoded and _JSON_NUL.search(encoded):
+        raise InvalidJob("payload contains a NUL character (\\u0000), which jsonb cannot store")
+    return encoded
+
+
+def _check_schedule(run_at: datetime | None, delay: timedelta | None) -> None:
+    if run_at is not None and delay is not None:
+        raise InvalidJob("give run_at or delay, not both")
+    if run_at is not None and run_at.tzinfo is None:
+        raise InvalidJob("run_at must be timezone-aware (e.g. datetime.now(timezone.utc))")
+    if delay is not None and delay < timedelta(0):
+        raise InvalidJob(f"delay must not be negative, got {delay}")
+
+
+def _check_counts(priority: int, max_attempts: int) -> None:
+    for what, value in (("priority", priority), ("max_attempts", max_attempts)):
+        if isinstance(value, bool) or not isinstance(value, int) or abs(value) >= 2**31:
+            raise InvalidJob(f"{what} must be a 32-bit integer, got {value!r}")
+    if max_attempts < 1:
+        raise InvalidJob(f"max_attempts must be at least 1, got {max_attempts}")
+
+
+def check_job(job: NewJob) -> str:
+    if job.task is not None:
+        check_text("task name", job.task)
+    check_short_text("queue", job.queue)
+    if job.unique_key is not None:
+        check_short_text("unique_key", job.unique_key)
+    _check_schedule(job.run_at, job.delay)
+    _check_counts(job.priority, job.max_attempts)
+    return encode_payload(job.payload)
+
+
+def encode_result(result: Any) -> str:
+    """A return value as strict JSON, or InvalidJob saying why it cannot be stored."""
+    try:
+        return encode_payload(result)
+    except InvalidJob as exc:
+        raise InvalidJob(str(exc).replace("payload", "result")) from None

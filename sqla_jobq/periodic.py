@@ -20,7 +20,7 @@ from zoneinfo import ZoneInfo
 
 from cronsim import CronSim, CronSimError
 
-from .statements import InvalidJob, encode_payload
+from .job import InvalidJob, encode_payload
 
 if TYPE_CHECKING:
     from .registry import Task

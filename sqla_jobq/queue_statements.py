@@ -32,8 +32,9 @@ from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.sql.dml import ReturningInsert
 
+from .job import InvalidJob, check_short_text
 from .schema import queues_table
-from .statements import InvalidJob, _short_text, status_is
+from .statements import status_is
 
 MAX_LIMIT = 2**31 - 1  # the column is an int
 
@@ -101,7 +102,7 @@ def queue_name(queue: str) -> str:
     """A queue name a setting can be stored under, or InvalidJob saying why not."""
     if isinstance(queue, str) and not queue:
         raise InvalidJob("the queue name must not be empty")
-    return _short_text("queue", queue)
+    return check_short_text("queue", queue)
 
 
 def _limit_value(limit: int | None) -> ColumnElement[Any]:

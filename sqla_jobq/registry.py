@@ -17,8 +17,9 @@ from sqlalchemy import Table
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from . import client, periodic
+from .job import InvalidJob, NewJob
 from .schema import default_jobs
-from .statements import DEFAULT_LEASE, InvalidJob, NewJob
+from .statements import DEFAULT_LEASE
 
 P = ParamSpec("P")
 R = TypeVar("R")

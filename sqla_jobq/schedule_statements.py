@@ -28,8 +28,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import ARRAY, TIMESTAMP
 
+from .job import InvalidJob, encode_payload
 from .schema import UNIQUE_WHERE, archive_table, names_of, schedules_table
-from .statements import InvalidJob, encode_payload
 
 
 def fire_key(name: str, at: datetime) -> str:

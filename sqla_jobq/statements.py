@@ -23,10 +23,8 @@ implies it, which a parameter does not once the statement is prepared.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -66,7 +64,53 @@ from sqlalchemy.sql.dml import ReturningInsert
 from sqlalchemy.sql.elements import quoted_name
 from sqlalchemy.sql.functions import Function
 
+from .job import (
+    MAX_KEY_BYTES,
+    InvalidJob,
+    NewJob,
+    check_job,
+    check_text,
+    encode_result,
+    error_text,
+)
 from .schema import STATUSES, UNIQUE_WHERE, archive_table, names_of, queues_table
+
+# The builders, and what they take and refuse (`NewJob`, `InvalidJob`, from `job`).
+__all__ = [
+    "DEFAULT_LEASE",
+    "FINISHED_STATUSES",
+    "MAX_KEY_BYTES",
+    "InvalidJob",
+    "NewJob",
+    "Queues",
+    "archive",
+    "cancel",
+    "claim",
+    "claim_columns",
+    "complete",
+    "complete_many",
+    "copy_command",
+    "copy_rows",
+    "enqueue",
+    "enqueue_many",
+    "extend_lease",
+    "extend_leases",
+    "fail",
+    "fates",
+    "job_outcome",
+    "mark_awaited",
+    "next_run_at",
+    "prune",
+    "reap",
+    "release",
+    "release_many",
+    "reserve_ids",
+    "retry",
+    "retry_many",
+    "stats",
+    "status_is",
+    "unique_key_holder",
+]
 
 DEFAULT_LEASE = timedelta(minutes=5)
 BACKOFF_BASE = "interval '10 seconds'"
@@ -78,24 +122,6 @@ ACTIVE_STATUSES = ("queued", "running")
 FINISHED_STATUSES = ("done", "failed", "cancelled")
 
 Queues = str | Sequence[str]
-
-
-class InvalidJob(ValueError):
-    """A job refused before anything reached the database."""
-
-
-@dataclass(frozen=True)
-class NewJob:
-    """One row for `enqueue_many`."""
-
-    task: str | None
-    payload: Any = field(default_factory=dict)
-    queue: str = "default"
-    run_at: datetime | None = None
-    delay: timedelta | None = None
-    priority: int = 0
-    max_attempts: int = 5
-    unique_key: str | None = None
 
 
 def status_is(column: ColumnElement[Any], status: str) -> ColumnElement[bool]:
@@ -111,89 +137,11 @@ def _status_literal(status: str) -> ColumnElement[str]:
 
 def _queue_filter(column: ColumnElement[str], queue: Queues) -> ColumnElement[bool]:
     if isinstance(queue, str):
-        return column == bindparam("queue", _text("queue", queue), type_=Text)
-    queues = [_text("queue", q) for q in queue]
+        return column == bindparam("queue", check_text("queue", queue), type_=Text)
+    queues = [check_text("queue", q) for q in queue]
     if not queues:
         raise InvalidJob("at least one queue name is required")
     return column == any_(bindparam("queues", queues, type_=ARRAY(Text)))
-
-
-def _text(what: str, value: str) -> str:
-    if not isinstance(value, str):
-        raise InvalidJob(f"{what} must be a string, not {type(value).__name__}")
-    if "\x00" in value:
-        raise InvalidJob(f"{what} contains a NUL character, which PostgreSQL text cannot store")
-    return value
-
-
-# Queue names travel as NOTIFY payloads (under 8000 bytes) and sit in btree
-# indexes with unique keys (entries of at most about 2.7 kB): refuse longer
-# ones here rather than fail inside the database, the transaction lost.
-MAX_KEY_BYTES = 1024
-
-
-def _short_text(what: str, value: str) -> str:
-    _text(what, value)
-    size = len(value.encode())
-    if size > MAX_KEY_BYTES:
-        raise InvalidJob(f"{what} is {size} bytes long; the limit is {MAX_KEY_BYTES} bytes")
-    return value
-
-
-def error_text(error: str) -> str:
-    """An error message PostgreSQL text can store (NUL removed)."""
-    if not isinstance(error, str):
-        raise InvalidJob(f"error must be a string, not {type(error).__name__}")
-    return error.replace("\x00", "")
-
-
-_JSON_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
-
-
-# One encoder for every payload: `json.dumps` with options builds a new one
-# per call, which is a third of the cost of encoding a small payload.
-_ENCODER = json.JSONEncoder(allow_nan=False, separators=(",", ":"))
-
-
-def encode_payload(payload: Any) -> str:
-    """Serialise a payload as strict JSON, refusing what jsonb would refuse."""
-    try:
-        encoded = _ENCODER.encode(payload)
-    except (TypeError, ValueError) as exc:
-        raise InvalidJob(f"payload is not JSON-serialisable: {exc}") from None
-    # A real NUL is a `\u0000` escape whose backslash is not itself escaped;
-    # the text "\\u0000" (a backslash, then "u0000") encodes as `\\u0000` and is fine.
-    if "\\u0000" in encoded and _JSON_NUL.search(encoded):
-        raise InvalidJob("payload contains a NUL character (\\u0000), which jsonb cannot store")
-    return encoded
-
-
-def _check_schedule(run_at: datetime | None, delay: timedelta | None) -> None:
-    if run_at is not None and delay is not None:
-        raise InvalidJob("give run_at or delay, not both")
-    if run_at is not None and run_at.tzinfo is None:
-        raise InvalidJob("run_at must be timezone-aware (e.g. datetime.now(timezone.utc))")
-    if delay is not None and delay < timedelta(0):
-        raise InvalidJob(f"delay must not be negative, got {delay}")
-
-
-def _check_counts(priority: int, max_attempts: int) -> None:
-    for what, value in (("priority", priority), ("max_attempts", max_attempts)):
-        if isinstance(value, bool) or not isinstance(value, int) or abs(value) >= 2**31:
-            raise InvalidJob(f"{what} must be a 32-bit integer, got {value!r}")
-    if max_attempts < 1:
-        raise InvalidJob(f"max_attempts must be at least 1, got {max_attempts}")
-
-
-def _check_job(job: NewJob) -> str:
-    if job.task is not None:
-        _text("task name", job.task)
-    _short_text("queue", job.queue)
-    if job.unique_key is not None:
-        _short_text("unique_key", job.unique_key)
-    _check_schedule(job.run_at, job.delay)
-    _check_counts(job.priority, job.max_attempts)
-    return encode_payload(job.payload)
 
 
 def enqueue(
@@ -221,7 +169,7 @@ def enqueue(
     statement's snapshot cannot see that job and selects no row: run it again.
     """
     job = NewJob(task, payload, queue, run_at, delay, priority, max_attempts, unique_key)
-    encoded = _check_job(job)
+    encoded = check_job(job)
     c = table.c
     values: dict[str, Any] = {
         "task": task,
@@ -272,7 +220,7 @@ def enqueue_many(
     the same call) selects that job's id instead of inserting.
     """
     rows = list(rows)
-    encoded = [_check_job(row) for row in rows]
+    encoded = [check_job(row) for row in rows]
     if traceparent is not None:
         _check_traceparent(traceparent)
     names = names_of(table)
@@ -389,7 +337,7 @@ def copy_rows(
         return None  # decided before encoding anything: `enqueue_many` encodes them then
     if traceparent is not None:
         _check_traceparent(traceparent)
-    return [(r.task, _check_job(r), r.queue, r.priority, r.max_attempts, traceparent) for r in rows]
+    return [(r.task, check_job(r), r.queue, r.priority, r.max_attempts, traceparent) for r in rows]
 
 
 def claim_columns(table: Table) -> tuple[ColumnElement[Any], ...]:
@@ -446,7 +394,7 @@ def claim(
     clock = _clock(now)
     take = bindparam("limit", limit, type_=Integer)
     if isinstance(queue, str):
-        name = bindparam("queue", _text("queue", queue), type_=Text)
+        name = bindparam("queue", check_text("queue", queue), type_=Text)
         ready = _ready(table, c.queue == name, func.least(take, _slots(table, name)), clock)
     else:
         ready = _ready_among(table, queue, take, clock)
@@ -503,7 +451,7 @@ def _ready_among(
     to `take`; rows a limited queue's scan locked past that cut are left as
     they were, their locks released at commit.
     """
-    names = [_text("queue", q) for q in queues]
+    names = [check_text("queue", q) for q in queues]
     if not names:
         raise InvalidJob("at least one queue name is required")
     c = table.c
@@ -569,14 +517,6 @@ def complete(table: Table, id: int, attempts: int, result: Any = None) -> Update
     if result is not None:
         values["result"] = cast(bindparam("result", encode_result(result), type_=Text), JSONB)
     return update(table).where(*_fence(table, id, attempts)).values(**values)
-
-
-def encode_result(result: Any) -> str:
-    """A return value as strict JSON, or InvalidJob saying why it cannot be stored."""
-    try:
-        return encode_payload(result)
-    except InvalidJob as exc:
-        raise InvalidJob(str(exc).replace("payload", "result")) from None
 
 
 def _owned_rows(jobs: Sequence[tuple[int, int]]) -> Any:

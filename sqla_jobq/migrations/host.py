@@ -22,9 +22,12 @@ from alembic.script import ScriptDirectory
 from alembic.script.revision import RevisionError
 from alembic.util import CommandError, coerce_resource_to_filename, rev_id
 
-from ..errors import UsageError
 from .pins import pinned_version
 from .steps import LATEST
+
+
+class RevisionRefused(ValueError):
+    """`jobq alembic-revision` cannot write a revision here; the message says why."""
 
 PACKAGE = Path(__file__).resolve().parents[1]
 BRANCH_LOCATION = "sqla_jobq:migrations/versions"
@@ -69,13 +72,13 @@ def _alembic_errors() -> Iterator[None]:
         yield
     except (CommandError, RevisionError) as exc:
         first = str(exc).strip().splitlines()
-        raise UsageError(f"alembic: {first[0] if first else type(exc).__name__}") from None
+        raise RevisionRefused(f"alembic: {first[0] if first else type(exc).__name__}") from None
 
 
 def _app_scripts(config_file: str) -> ScriptDirectory:
     path = Path(config_file)
     if not path.is_file():
-        raise UsageError(
+        raise RevisionRefused(
             f"no {config_file} in {Path.cwd()}: run this beside the app's alembic.ini "
             "(or pass --config); `alembic init migrations` creates one"
         )
@@ -83,7 +86,7 @@ def _app_scripts(config_file: str) -> ScriptDirectory:
     script = ScriptDirectory.from_config(config)
     listed = config.get_main_option("version_locations") or ""
     if BRANCH_LOCATION in listed:
-        raise UsageError(
+        raise RevisionRefused(
             f"{config_file} lists {BRANCH_LOCATION} in version_locations, so this app "
             "uses the shipped sqla_jobq branch: create your revisions with "
             "`alembic revision --head app@head` (the first one with `--head base "
@@ -97,7 +100,7 @@ def _app_scripts(config_file: str) -> ScriptDirectory:
 
 def _refuse_inside_package(path: Path, what: str) -> None:
     if path.resolve().is_relative_to(PACKAGE):
-        raise UsageError(
+        raise RevisionRefused(
             f"{what} points inside the installed sqla_jobq package ({PACKAGE}), where "
             "a pip upgrade would delete your revision: use the app's own versions folder"
         )
@@ -106,7 +109,7 @@ def _refuse_inside_package(path: Path, what: str) -> None:
 def _refuse_several_heads(script: ScriptDirectory) -> None:
     heads = script.get_heads()
     if len(heads) > 1:
-        raise UsageError(
+        raise RevisionRefused(
             f"the app's Alembic chain has {len(heads)} heads ({', '.join(sorted(heads))}): "
             "merge them first (`alembic merge heads -m merge`), then run this again"
         )
@@ -144,11 +147,11 @@ def _generate(
         ),
     )
     if created is None:
-        raise UsageError("alembic wrote a revision it cannot load back: check file_template")
+        raise RevisionRefused("alembic wrote a revision it cannot load back: check file_template")
     path = Path(created.path)
     if pinned_version(path.read_text(encoding="utf-8")) != LATEST:
         path.unlink()
-        raise UsageError(
+        raise RevisionRefused(
             f"{Path(script.dir, 'script.py.mako')} does not render ${{upgrades}}, "
             "${downgrades} and ${imports} as `alembic init` writes them: nothing written"
         )

@@ -22,9 +22,9 @@ from sqlalchemy.sql.dml import ReturningUpdate
 from .. import statements
 from ..attempt import Attempt, Outcome
 from ..execute import Refused, decode_payload
-from ..job import Job, set_current_job
+from ..job import InvalidJob, Job, set_current_job
 from ..registry import Registry, Task
-from ..statements import DEFAULT_LEASE, InvalidJob, Queues
+from ..statements import DEFAULT_LEASE, Queues
 
 log = logging.getLogger("sqla_jobq.testing")
 
