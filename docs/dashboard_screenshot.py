@@ -1,4 +1,5 @@
-"""Regenerate docs/dashboard.png: the overview of a queue with an hour of history.
+"""Regenerate docs/dashboard.png: the overview of a queue with an hour of history,
+one queue paused (its backlog growing) and one held to a concurrency limit.
 
     .venv/bin/python docs/dashboard_screenshot.py [DATABASE_URL]
 
@@ -29,7 +30,8 @@ OUT = Path(__file__).with_name("dashboard.png")
 ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
         "--disable-component-update", "--disable-sync", "--no-first-run"]
 
-# An hour of history, then the present: ready (aged), scheduled, running, failed.
+# An hour of history, then the present: ready (aged), scheduled, running, failed;
+# mail paused 12 minutes ago with jobs piling up, media limited to 4 at once.
 SEED = """
 INSERT INTO {t} (queue, task, payload, status, attempts, run_at, started_at, finished_at)
 SELECT q.queue, q.task, '{{}}', 'done', 1, f - interval '2 seconds', f - interval '1 second', f
@@ -51,6 +53,11 @@ FROM generate_series(1, 6) AS h;
 INSERT INTO {t} (queue, task, payload, status, attempts, started_at, locked_until)
 SELECT 'media', 'resize_image', '{{}}', 'running', 1, now(), now() + interval '5 minutes'
 FROM generate_series(1, 4);
+INSERT INTO {t} (queue, task, payload, run_at)
+SELECT 'mail', 'send_receipt', '{{"order_id": 2}}', now() - make_interval(secs => s * 40)
+FROM generate_series(1, 17) AS s;
+INSERT INTO {q} (name, paused, updated_at) VALUES ('mail', true, now() - interval '12 minutes');
+INSERT INTO {q} (name, concurrency_limit) VALUES ('media', 4);
 """
 
 
@@ -59,7 +66,7 @@ def main(url: str) -> None:
     with psycopg.connect(conninfo(url), autocommit=True) as conn:
         for sql in up_statements(names, 0, LATEST):
             conn.execute(sql.encode())
-        conn.execute(SEED.format(t=names.qualified).encode())
+        conn.execute(SEED.format(t=names.qualified, q=names.queues_qualified).encode())
     engine = dashboard_engine(sqlalchemy_url(url))
     sock = bind("127.0.0.1", 0)
     app = dashboard.app(engine, jobs_table(MetaData(), names.table))
@@ -69,7 +76,7 @@ def main(url: str) -> None:
     try:
         with sync_playwright() as playwright:
             browser = playwright.chromium.launch(executable_path="/usr/bin/chromium", args=ARGS)
-            page = browser.new_page(viewport={"width": 1000, "height": 640})
+            page = browser.new_page(viewport={"width": 1120, "height": 640})
             page.goto(f"http://127.0.0.1:{sock.getsockname()[1]}/")
             page.screenshot(path=str(OUT), full_page=True)
             browser.close()

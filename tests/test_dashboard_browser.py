@@ -18,8 +18,10 @@ import uvicorn
 from psycopg.types.json import Jsonb
 from sqlalchemy import Engine, Table
 
-from sqla_jobq import dashboard
+from sqla_jobq import Registry, client, dashboard
 from sqla_jobq.dashboard.server import bind
+from tests.support.inprocess import Side, running
+from tests.support.waiting import wait_until
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
@@ -134,3 +136,67 @@ def test_script_in_a_payload_or_error_shows_as_text_and_never_runs(
     page.goto(f"{served}/jobs")
     expect(page.locator("#jobs")).to_contain_text(image)
     assert page.evaluate("window.pwned") is None
+
+
+def status_of(raw: Raw, table: Table, job_id: int) -> str:
+    row = raw.execute(f'SELECT status FROM "{table.name}" WHERE id = %s', (job_id,)).fetchone()
+    assert row is not None
+    return str(row[0])
+
+
+def test_pausing_a_queue_in_the_overview_stops_a_real_worker_until_it_is_resumed(
+    page: Any, served: str, raw: Raw, engine: Engine, table: Table, database_url: str
+) -> None:
+    from playwright.sync_api import expect
+
+    side = Side(database_url, f"{table.name}_side")
+    registry = Registry(table)
+
+    @registry.task(name="work")
+    def work() -> None:
+        side.record("ran")
+
+    def enqueue(queue: str) -> int:
+        with engine.begin() as conn:
+            return client.enqueue(conn, table, "work", {}, queue=queue)
+
+    def ran(job_id: int) -> bool:
+        return bool(side.events(job_id)) and status_of(raw, table, job_id) == "done"
+
+    try:
+        with running(registry, database_url, queues=["mail", "other"], poll_interval=1):
+            first = enqueue("mail")
+            wait_until(lambda: ran(first), 30, "the worker to run the first mail job")
+
+            page.goto(f"{served}/")
+            mail = page.locator('#queues tr[data-queue="mail"]')
+            expect(mail).to_contain_text("active")
+            mail.locator("button:text-is('Pause')").click()
+            expect(mail).to_contain_text("paused")
+            expect(mail.locator("button:text-is('Resume')")).to_be_visible()
+
+            held = [enqueue("mail"), enqueue("mail")]
+            # A job of another queue, enqueued after them, runs: the worker is
+            # claiming, and the paused queue's older jobs are not handed out.
+            later = enqueue("other")
+            wait_until(lambda: ran(later), 30, "the worker to run the other queue's job")
+            assert [status_of(raw, table, i) for i in held] == ["queued", "queued"]
+            assert not any(side.events(i) for i in held)
+
+            page.reload()
+            expect(mail.locator("td.num").first).to_have_text("2")  # ready
+            page.click("header nav a:text-is('Workers')")
+            workers = page.locator("#workers tbody tr")
+            expect(workers).to_have_count(1)
+            expect(workers).to_contain_text("live")
+            expect(workers).to_contain_text("mail, other")
+
+            page.click("header nav a:text-is('Overview')")
+            mail.locator("button:text-is('Resume')").click()
+            expect(mail).to_contain_text("active")
+            wait_until(lambda: all(ran(i) for i in held), 30, "the resumed queue's jobs to run")
+            page.reload()
+            expect(mail.locator("td.num").first).to_have_text("0")
+            expect(mail.locator("td.num").nth(4)).to_have_text("3")  # done, last hour
+    finally:
+        raw.execute(f'DROP TABLE IF EXISTS "{side.name}"')

@@ -3,9 +3,9 @@ one `Dashboard` context (so a host app may mount several, one per table).
 
 Routes are grouped by what they do, each group from its own module: pages
 (read), actions (write; absent when read-only), health and metrics (probes),
-login (only with a token). A view that needs schema the queue does not have
-yet (paused queues, live workers) arrives as another group, not as a branch
-inside these.
+login (only with a token). A view that needs schema the queue may not have
+yet (live workers) arrives as another group, not as a branch inside these;
+on such a table the overview leaves out its pause and limit columns.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The pages a GET shows: overview, job list, job detail.
+"""The pages a GET shows: overview (with each queue's pause state and limit),
+job list, job detail.
 
 They only read. Each hands its blocking store call to a worker thread and
 renders the result; database errors travel up to the app's error handler,
@@ -24,7 +25,11 @@ def routes(dashboard: Dashboard) -> list[BaseRoute]:
     async def overview(request: Request) -> Response:
         view = await run_in_threadpool(store.overview)
         return dashboard.page(
-            request, "overview.html", queues=view.queues, chart=throughput_chart(view.minutes)
+            request,
+            "overview.html",
+            queues=view.queues,
+            settings=view.settings,
+            chart=throughput_chart(view.minutes),
         )
 
     async def jobs(request: Request) -> Response:

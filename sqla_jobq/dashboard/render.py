@@ -12,7 +12,7 @@ import json
 from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
-from urllib.parse import urlencode
+from urllib.parse import quote, urlencode
 
 import jinja2
 from starlette.requests import Request
@@ -29,7 +29,7 @@ def environment() -> jinja2.Environment:
         lstrip_blocks=True,
     )
     env.globals["link"] = link
-    env.filters.update(age=age, when=when, pretty=pretty, number=number)
+    env.filters.update(age=age, when=when, pretty=pretty, number=number, segment=segment)
     return env
 
 
@@ -83,3 +83,10 @@ def number(count: int) -> str:
 
 def pretty(payload: Any) -> str:
     return json.dumps(payload, indent=2, ensure_ascii=False)
+
+
+def segment(name: str) -> str:
+    """A name (a queue's) as one path segment: every reserved character,
+    `/` included, percent-encoded. The server decodes it before routing and
+    the route takes the rest of the path, so the name arrives as it was."""
+    return quote(name, safe="")

@@ -9,22 +9,25 @@ longer than a statement.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
-from sqlalchemy import Connection, Engine, Row, RowMapping, Table, select
+from sqlalchemy import Connection, Engine, Executable, Row, RowMapping, Table, select
 from sqlalchemy.exc import IntegrityError, ProgrammingError
 
-from .. import presence, statements
+from .. import presence, queue_statements, statements
+from ..job import InvalidJob
 from . import queries
 from .filters import Cursor, JobFilter
 
 # Ids per bulk-retry transaction: short enough that a worker's claim never
 # waits long behind it, large enough that round trips do not dominate.
 RETRY_BATCH = 500
+
+_T = TypeVar("_T")
 
 
 # A failed job whose unique key an active job took meanwhile would break the
@@ -44,9 +47,29 @@ class Minute:
 
 
 @dataclass(frozen=True)
+class Queue:
+    """One line of the overview: the queue's jobs by state, and its settings.
+
+    `paused` is None when the table predates the queue settings (schema
+    version 5): the dashboard then neither shows nor offers pausing.
+    """
+
+    queue: str
+    ready: int = 0
+    scheduled: int = 0
+    running: int = 0
+    failed: int = 0
+    done_last_hour: int = 0
+    oldest_ready_age: float | None = None
+    paused: bool | None = None
+    concurrency_limit: int | None = None
+
+
+@dataclass(frozen=True)
 class Overview:
-    queues: Sequence[Row[Any]]
+    queues: Sequence[Queue]
     minutes: Sequence[Minute]
+    settings: bool  # the schema has queue settings: pausing can be shown and offered
 
 
 @dataclass(frozen=True)
@@ -68,10 +91,24 @@ class Store:
             conn.execute(select(1))
 
     def overview(self) -> Overview:
+        """Every queue with jobs, and every paused or limited one without:
+        a paused queue stays listed (and can be resumed) after its jobs are gone."""
         with self.engine.connect() as conn:
-            queues = conn.execute(queries.queue_overview(self.table)).all()
+            counts = conn.execute(queries.queue_overview(self.table)).mappings().all()
             minutes = [Minute(*r) for r in conn.execute(queries.throughput(self.table))]
-        return Overview(queues, minutes)
+            settings = _missing_table_is_none(
+                lambda: conn.execute(queue_statements.settings(self.table)).all()
+            )
+        if settings is None:
+            return Overview([Queue(**row) for row in counts], minutes, settings=False)
+        held = {s.queue: s for s in settings}
+        queues = {row["queue"]: Queue(**row, paused=False) for row in counts}
+        for name, setting in held.items():
+            base = queues.get(name, Queue(name))
+            queues[name] = replace(
+                base, paused=setting.paused, concurrency_limit=setting.concurrency_limit
+            )
+        return Overview([queues[name] for name in sorted(queues)], minutes, settings=True)
 
     def stats(self) -> Sequence[RowMapping]:
         """`jobq stats`'s rows, as mappings: a Row's `count` is tuple.count."""
@@ -81,13 +118,8 @@ class Store:
     def workers(self) -> Sequence[Row[Any]] | None:
         """The registered workers, live first; None when the table predates
         the worker registry (schema version 5)."""
-        try:
-            with self.engine.connect() as conn:
-                return conn.execute(presence.listing(self.table)).all()
-        except ProgrammingError as exc:
-            if isinstance(exc.orig, psycopg.errors.UndefinedTable):
-                return None
-            raise
+        with self.engine.connect() as conn:
+            return _missing_table_is_none(lambda: conn.execute(presence.listing(self.table)).all())
 
     def page(self, flt: JobFilter, cursor: Cursor) -> Page:
         with self.engine.connect() as conn:
@@ -118,9 +150,25 @@ class Store:
             raise Refused(f"job {job_id} cannot be retried: {KEY_TAKEN}") from None
 
     def cancel(self, job_id: int) -> bool:
-        """True when the job was queued and is cancelled."""
+        """True when the job was queued or running and is cancelled (a running
+        one's worker hears of it on its next heartbeat, or sooner by NOTIFY)."""
         with self.engine.begin() as conn:
             return conn.execute(statements.cancel(self.table, job_id)).first() is not None
+
+    def pause(self, queue: str) -> None:
+        """Stop every worker taking jobs of `queue`; its running jobs finish."""
+        self._set(queue, queue_statements.pause)
+
+    def resume(self, queue: str) -> None:
+        self._set(queue, queue_statements.resume)
+
+    def _set(self, queue: str, builder: Callable[[Table, str], Executable]) -> None:
+        try:
+            statement = builder(self.table, queue)
+        except InvalidJob as exc:
+            raise Refused(str(exc)) from None
+        with self.engine.begin() as conn:
+            conn.execute(statement)
 
     def failed_summary(self, flt: JobFilter) -> tuple[int, int | None]:
         """How many failed jobs match `flt`, and the newest one's id."""
@@ -158,3 +206,13 @@ class Store:
                 return len(conn.execute(statements.retry(self.table, job_id)).all())
         except IntegrityError:
             return 0
+
+
+def _missing_table_is_none(read: Callable[[], _T]) -> _T | None:
+    """`read()`, or None when a table it needs predates schema version 5."""
+    try:
+        return read()
+    except ProgrammingError as exc:
+        if isinstance(exc.orig, psycopg.errors.UndefinedTable):
+            return None
+        raise
