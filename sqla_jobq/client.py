@@ -24,6 +24,17 @@ from sqlalchemy.orm import Session
 from . import statements, traceparent
 from .job import InvalidJob, Job, LeaseLost, NewJob
 
+__all__ = [
+    "AsyncExecutor",
+    "Executor",
+    "complete_in",
+    "complete_in_async",
+    "enqueue",
+    "enqueue_async",
+    "enqueue_many",
+    "enqueue_many_async",
+]
+
 Executor = Connection | Session
 AsyncExecutor = AsyncConnection | AsyncSession
 ENQUEUE_PAGE = 5000

@@ -1,7 +1,6 @@
 """Database URLs and worker sessions: one place that turns what a user typed
 into a SQLAlchemy URL or a psycopg conninfo, and that says how every worker
-session is configured.
-"""
+session is configured (internal)."""
 
 from __future__ import annotations
 

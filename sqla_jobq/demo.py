@@ -1,4 +1,4 @@
-"""`jobq demo`: the article's race, its fix, and a lease expiring, on a real server.
+"""`jobq demo`: the article's race, its fix, and a lease expiring, on a real server (internal).
 
 Three phases, each a claim the reader can check with their own eyes:
 

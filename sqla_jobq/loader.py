@@ -1,4 +1,5 @@
-"""`MODULE:ATTR` to a Registry, for the command line (`jobq worker`, `enqueue --app`, `cron`)."""
+"""`MODULE:ATTR` to a Registry, for the command line (internal): `jobq worker`,
+`jobq enqueue --app` and `jobq cron` name the app's Registry this way."""
 
 from __future__ import annotations
 

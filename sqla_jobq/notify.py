@@ -1,4 +1,4 @@
-"""The LISTEN connection: a hint that jobs are ready, never the queue itself.
+"""The LISTEN connection: a hint that jobs are ready, never the queue itself (internal).
 
 Notifications arrive only at commit, only to sessions listening at that moment,
 and identical ones coalesce, so the worker treats each as "go and claim" and

@@ -1,4 +1,4 @@
-"""When periodic tasks fire: pure computation, no clock and no database.
+"""When periodic tasks fire: pure computation, no clock and no database (internal).
 
 A schedule is a standard 5-field cron string, evaluated by `cronsim` in UTC or
 in the schedule's `timezone` (so a DST gap or overlap is handled as cronsim

@@ -1,5 +1,5 @@
 """What `jobq cron` shows: each periodic task's schedule, its last and next
-fire times, and whether its last fire was enqueued (and how that job fared).
+fire times, and whether its last fire was enqueued (and how that job fared) (internal).
 
 The next fire time is computed as a worker's tick would compute it from the
 same schedules row, so an overdue fire (no worker running) shows as due.

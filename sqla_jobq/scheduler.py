@@ -1,4 +1,4 @@
-"""Enqueue periodic tasks on time: the runner a worker calls between claims.
+"""Enqueue periodic tasks on time: the runner a worker calls between claims (internal).
 
 `Scheduler.tick` enqueues every fire time that is due and returns the next
 one, so an idle worker sleeps until then at most. Any number of workers may

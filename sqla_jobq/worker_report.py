@@ -1,7 +1,6 @@
 """What `jobq stats` shows about workers: every registered worker, the stale
 ones (silent for longer than they promised, see `sqla_jobq.presence`) flagged,
-since a worker that died without leaving still has its row.
-"""
+since a worker that died without leaving still has its row (internal)."""
 
 from __future__ import annotations
 
