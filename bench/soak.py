@@ -7,9 +7,9 @@ processed. This script enqueues at a fixed rate while a `jobq worker` with
 `--prune-older-than` works the jobs, and prints the table's size and
 `n_dead_tup` every minute.
 
-It runs on a throwaway cluster of its own (initdb as the `postgres` user, on a
-free port, PostgreSQL's default settings): the shared development server has
-autovacuum turned off, which no production server should.
+It runs on a throwaway cluster of its own (tests/support/cluster.py: initdb as
+the `postgres` user, on a free port, PostgreSQL's default settings): the shared
+development server has autovacuum turned off, which no production server should.
 """
 
 from __future__ import annotations
@@ -17,15 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -33,10 +28,9 @@ import psycopg
 
 from sqla_jobq import jobs, statements
 from sqla_jobq.db import conninfo
+from tests.support.cluster import throwaway_cluster
 
 from .common import REPO
-
-PG_BIN = Path("/usr/lib/postgresql/15/bin")
 
 
 @dataclass
@@ -50,33 +44,6 @@ class Sample:
     table_bytes: int
     total_bytes: int
     autovacuums: int
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _as_postgres(*args: str) -> None:
-    subprocess.run(["runuser", "-u", "postgres", "--", *args], check=True, capture_output=True)
-
-
-@contextmanager
-def throwaway_cluster() -> Iterator[str]:
-    """A fresh PostgreSQL 15 cluster with default settings; removed afterwards."""
-    root = Path(tempfile.mkdtemp(prefix="jobq_soak_"))
-    shutil.chown(root, "postgres", "postgres")
-    data, port = root / "data", _free_port()
-    _as_postgres(str(PG_BIN / "initdb"), "-D", str(data), "-A", "trust", "-U", "postgres")
-    options = f"-p {port} -k {root} -c listen_addresses=127.0.0.1"
-    _as_postgres(str(PG_BIN / "pg_ctl"), "-D", str(data), "-o", options, "-w", "-l",
-                 str(root / "log"), "start")
-    try:
-        yield f"postgresql://postgres@127.0.0.1:{port}/postgres"
-    finally:
-        _as_postgres(str(PG_BIN / "pg_ctl"), "-D", str(data), "-m", "fast", "-w", "stop")
-        shutil.rmtree(root, ignore_errors=True)
 
 
 class Enqueuer(threading.Thread):
@@ -138,7 +105,8 @@ def _worker(url: str, prune_after: str) -> subprocess.Popen[bytes]:
 
 def soak(minutes: int, rate: int, prune_after: str, every: float = 60.0) -> list[Sample]:
     samples: list[Sample] = []
-    with throwaway_cluster() as url:
+    with throwaway_cluster(settings=(), stop_mode="fast") as cluster:
+        url = cluster.url
         subprocess.run([sys.executable, "-m", "sqla_jobq", "migrate", "--database-url", url],
                        check=True, capture_output=True)
         worker = _worker(url, prune_after)

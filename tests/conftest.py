@@ -5,6 +5,9 @@ server answers there, else the embedded PostgreSQL of the `embedded` extra.
 Each test session works in a database of its own, created here and dropped at
 the end; each test gets its own uniquely named queue table, so tests never see
 each other's jobs.
+
+These fixtures serve every folder below (unit/, db/, faults/); helpers live in
+tests/support/ and are imported explicitly.
 """
 
 from __future__ import annotations
@@ -20,8 +23,8 @@ from sqlalchemy import Engine, MetaData, Table, create_engine
 from sqlalchemy.pool import NullPool
 
 from sqla_jobq.db import conninfo, parse_url, sqlalchemy_url
-from sqla_jobq.migrations.steps import LATEST, down_statements, up_statements
 from sqla_jobq.schema import Names, jobs_table
+from tests.support.queues import create_queue_table, drop_queue_table
 
 LOCAL_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
 
@@ -66,20 +69,6 @@ def engine(database_url: str) -> Iterator[Engine]:
     eng = create_engine(sqlalchemy_url(database_url), poolclass=NullPool)
     yield eng
     eng.dispose()
-
-
-def create_queue_table(database_url: str, names: Names) -> None:
-    with psycopg.connect(conninfo(database_url), autocommit=True) as conn:
-        if names.schema:
-            conn.execute(f'CREATE SCHEMA IF NOT EXISTS "{names.schema}"')
-        for sql in up_statements(names, 0, LATEST):
-            conn.execute(sql.encode())
-
-
-def drop_queue_table(database_url: str, names: Names) -> None:
-    with psycopg.connect(conninfo(database_url), autocommit=True) as conn:
-        for sql in down_statements(names, LATEST, 0):
-            conn.execute(sql.encode())
 
 
 @pytest.fixture

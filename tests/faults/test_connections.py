@@ -12,16 +12,9 @@ import pytest
 
 from sqla_jobq import client
 from sqla_jobq.db import conninfo, parse_url
-
-from .conftest import (
-    FaultQueue,
-    WorkerProcess,
-    Workers,
-    backends,
-    drop_role,
-    terminate,
-    wait_until,
-)
+from tests.support.faultqueue import FaultQueue, backends, drop_role, terminate
+from tests.support.processes import WorkerProcess, Workers
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.faults
 

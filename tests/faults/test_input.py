@@ -25,8 +25,10 @@ import pytest
 from sqla_jobq.db import conninfo, parse_url
 from sqla_jobq.schema import Names, quote_ident
 from sqla_jobq.statements import InvalidJob, NewJob
-
-from .conftest import TESTS_DIR, FaultQueue, Workers, drop_role, jobq_command, wait_until
+from tests.support import APP_DIR
+from tests.support.faultqueue import FaultQueue, drop_role
+from tests.support.processes import Workers, jobq_command
+from tests.support.waiting import wait_until
 
 SQLI = "'; DROP TABLE jobs; --"
 HOSTILE = [
@@ -54,7 +56,7 @@ def jobq(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> 
         capture_output=True,
         text=True,
         env=env,
-        cwd=TESTS_DIR,
+        cwd=APP_DIR,
         timeout=timeout,
         stdin=subprocess.DEVNULL,
     )

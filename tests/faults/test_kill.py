@@ -8,7 +8,9 @@ from typing import Any
 
 import pytest
 
-from .conftest import FaultQueue, Fleet, Workers, wait_until
+from tests.support.faultqueue import FaultQueue
+from tests.support.processes import Fleet, Workers
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.faults
 

@@ -19,8 +19,9 @@ from sqlalchemy.pool import NullPool
 from sqla_jobq import statements
 from sqla_jobq.db import conninfo, parse_url
 from sqla_jobq.driver import Compiled
-
-from .conftest import FaultQueue, Workers, wait_until
+from tests.support.faultqueue import FaultQueue
+from tests.support.processes import Workers
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.faults
 

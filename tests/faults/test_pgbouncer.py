@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from .conftest import Bouncer, FaultQueue, Workers, wait_until
+from tests.support.faultqueue import FaultQueue
+from tests.support.pgbouncer import Bouncer
+from tests.support.processes import Workers
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.faults
 

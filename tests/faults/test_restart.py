@@ -7,8 +7,10 @@ from collections.abc import Iterator
 import pytest
 
 from sqla_jobq.schema import Names
-
-from .conftest import Cluster, FaultQueue, Workers, wait_until
+from tests.support.cluster import Cluster
+from tests.support.faultqueue import FaultQueue
+from tests.support.processes import Workers
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.faults
 

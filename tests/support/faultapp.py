@@ -1,6 +1,6 @@
 """Tasks for the fault suite's `jobq worker faultapp:registry` processes.
 
-Configured by environment variables, set by tests/faults/conftest.py:
+Configured by environment variables, set by `Workers.env` in tests/support/processes.py:
 
 * ``JOBQ_FAULT_TABLE``: the queue table (built with `jobs_table`, as an app would);
 * ``JOBQ_FAULT_DSN``: a direct PostgreSQL URL for the side-effect table (never the

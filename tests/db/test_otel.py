@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from inprocess import burst
 from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -29,8 +28,7 @@ from sqla_jobq import Registry, client, statements
 from sqla_jobq.instrument import worker_observers
 from sqla_jobq.otel import OtelObserver
 from sqla_jobq.statements import InvalidJob, NewJob
-
-JOBQ = str(Path(sys.executable).with_name("jobq"))
+from tests.support.inprocess import burst
 
 
 @pytest.fixture

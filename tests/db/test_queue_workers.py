@@ -1,6 +1,6 @@
 """Pauses and concurrency limits hold across real `jobq worker` processes.
 
-The handlers (tests/workerapp.py, task `sleep`) record their start and end
+The handlers (tests/support/workerapp.py, task `sleep`) record their start and end
 in a side table from connections of their own; the limit is checked on those
 times, so it is what the handlers saw, not what the workers believed.
 """
@@ -16,12 +16,15 @@ from typing import Any
 import psycopg
 import pytest
 from sqlalchemy import Engine, Table
-from test_worker import JOBQ, TESTS_DIR, WorkerProcess, events, wait_idle, wait_until
-from workerapp import SIDE_DDL
 
 from sqla_jobq import client
 from sqla_jobq import queue_statements as qs
 from sqla_jobq.statements import NewJob
+from tests.db.test_worker import WorkerProcess, events, wait_idle
+from tests.support import APP_DIR
+from tests.support.processes import JOBQ
+from tests.support.waiting import wait_until
+from tests.support.workerapp import SIDE_DDL
 
 Raw = psycopg.Connection[Any]
 Start = Any  # (*args: str) -> WorkerProcess
@@ -52,7 +55,7 @@ def start(database_url: str, table: Table, side: str, tmp_path: Path) -> Iterato
         with log_path.open("wb") as log:
             proc = subprocess.Popen(
                 [JOBQ, "worker", "workerapp:registry", "--log-level", "WARNING", *args],
-                cwd=TESTS_DIR,
+                cwd=APP_DIR,
                 env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,

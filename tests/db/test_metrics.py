@@ -1,6 +1,6 @@
 """Prometheus metrics of a real worker, scraped over HTTP from `/metrics`.
 
-In-process workers (tests/inprocess.py) run done, failed and retried jobs
+In-process workers (tests/support/inprocess.py) run done, failed and retried jobs
 with a `PrometheusObserver`; `jobq worker --metrics-port` is scraped as a
 subprocess, and refuses a port in use or a missing extra with one line.
 """
@@ -20,14 +20,15 @@ from pathlib import Path
 from wsgiref.simple_server import WSGIServer
 
 import pytest
-from inprocess import burst, running, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import Engine, MetaData, Table
 
 from sqla_jobq import Registry, client, jobs_table
 from sqla_jobq.metrics import PrometheusObserver, serve
+from tests.support.inprocess import burst, running
+from tests.support.processes import JOBQ
+from tests.support.waiting import wait_until
 
-JOBQ = str(Path(sys.executable).with_name("jobq"))
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 Served = Callable[[PrometheusObserver], int]
 

@@ -2,7 +2,7 @@
 job in `running` or run one attempt twice.
 
 Each test is the regression test of one finding of a hostile review (issue 14,
-numbered as there). Workers run in-process (tests/inprocess.py) so handlers can
+numbered as there). Workers run in-process (tests/support/inprocess.py) so handlers can
 misbehave in any way Python allows; the outcome is always read back from the
 database.
 """
@@ -18,12 +18,13 @@ from typing import Any
 
 import psycopg
 import pytest
-from inprocess import Side, burst, running, wait_until
 from psycopg.rows import dict_row
 from sqlalchemy import Engine, Table
 
 from sqla_jobq import Registry, client, current_job, statements
 from sqla_jobq.db import conninfo
+from tests.support.inprocess import Side, burst, running
+from tests.support.waiting import wait_until
 
 Raw = psycopg.Connection[Any]
 

@@ -22,11 +22,11 @@ import psycopg
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from inprocess import Side, burst
 from sqlalchemy import Engine, Table
 
 from sqla_jobq import Registry, client, current_job
 from sqla_jobq.db import conninfo
+from tests.support.inprocess import Side, burst
 
 Raw = psycopg.Connection[Any]
 

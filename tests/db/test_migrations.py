@@ -32,7 +32,7 @@ from sqla_jobq.migrations import SchemaError, check_schema
 from sqla_jobq.migrations.steps import LATEST, up_statements
 from sqla_jobq.schema import Names, jobs_table, parse_version_comment
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 QUEUE_V1_RELATIONS = {
     "jobs",
     "jobs_pkey",

@@ -26,7 +26,7 @@ from sqla_jobq.migrations.runner import migrate_to_latest
 
 pytestmark = pytest.mark.anyio
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 EXAMPLE_TEST = REPO / "examples" / "test_tasks_example.py"
 ORDER = {"reference": "A-1001", "email": "ada@example.com", "total_cents": 4250}
 

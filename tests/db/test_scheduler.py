@@ -9,7 +9,6 @@ import json
 import os
 import runpy
 import subprocess
-import sys
 import textwrap
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -27,11 +26,10 @@ from sqla_jobq import Registry
 from sqla_jobq.db import conninfo
 from sqla_jobq.schedule_statements import fire
 from sqla_jobq.scheduler import Scheduler, compiled
+from tests.support.processes import JOBQ
 
 T0 = datetime(2025, 1, 6, 10, 0, tzinfo=UTC)
 Raw = psycopg.Connection[Any]
-_BESIDE = Path(sys.executable).with_name("jobq")
-JOBQ = str(_BESIDE) if _BESIDE.exists() else "jobq"
 
 
 def jobs_of(raw: Raw, table: Table) -> list[dict[str, Any]]:

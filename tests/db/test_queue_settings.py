@@ -17,7 +17,6 @@ from typing import Any
 
 import psycopg
 import pytest
-from conftest import drop_queue_table
 from sqlalchemy import Connection, Engine, Table
 from sqlalchemy.exc import DBAPIError
 
@@ -27,6 +26,7 @@ from sqla_jobq.db import conninfo
 from sqla_jobq.migrations.steps import up_statements
 from sqla_jobq.schema import Names, canonical_channel, names_of
 from sqla_jobq.statements import InvalidJob
+from tests.support.queues import drop_queue_table
 
 Raw = psycopg.Connection[Any]
 

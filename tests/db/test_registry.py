@@ -17,10 +17,8 @@ from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 from sqlalchemy.orm import Session
 from sqlalchemy.pool import NullPool
 
-import sqla_jobq
-from sqla_jobq import Job, Registry, Task, current_job
+from sqla_jobq import Registry, Task
 from sqla_jobq.db import sqlalchemy_url
-from sqla_jobq.job import set_current_job
 from sqla_jobq.statements import DEFAULT_LEASE, InvalidJob
 
 
@@ -128,10 +126,6 @@ def test_non_positive_lease_is_refused(registry: Registry) -> None:
     with pytest.raises(ValueError, match="lease must be positive"):
         registry.task(lease=timedelta(0))(plain)
     assert registry.tasks == {}
-
-
-def test_registry_defaults_to_the_packages_jobs_table() -> None:
-    assert Registry().table is sqla_jobq.jobs
 
 
 def test_require_names_the_known_tasks(registry: Registry) -> None:
@@ -348,22 +342,3 @@ def test_check_payload_refuses_what_is_not_a_mapping(registry: Registry) -> None
     for payload in ([1], "x", None, 3):
         with pytest.raises(InvalidJob, match="must be a JSON object of keyword arguments"):
             task.check_payload(payload)
-
-
-# --------------------------------------------------------------------------- current_job
-
-
-def test_current_job_outside_a_job_raises_lookup_error() -> None:
-    with pytest.raises(LookupError, match="only available inside a running job"):
-        current_job()
-
-
-def test_current_job_returns_the_job_bound_in_its_context() -> None:
-    import contextvars
-
-    job = Job(id=7, task="t", queue="q", payload={"a": 1}, attempts=2, max_attempts=5)
-    context = contextvars.copy_context()
-    context.run(set_current_job, job)
-    assert context.run(current_job) is job
-    with pytest.raises(LookupError):
-        current_job()  # the caller's context is untouched

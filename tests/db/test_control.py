@@ -1,5 +1,5 @@
 """Cancelling running jobs, timeouts, periodic tasks and results, through real
-workers (in-process, tests/inprocess.py) on real PostgreSQL."""
+workers (in-process, tests/support/inprocess.py) on real PostgreSQL."""
 
 from __future__ import annotations
 
@@ -12,11 +12,12 @@ from typing import Any
 
 import psycopg
 import pytest
-from inprocess import Side, burst, running, wait_until
 from psycopg.rows import dict_row
 from sqlalchemy import Engine, Table
 
 from sqla_jobq import Registry, client, current_job, queue_statements, statements
+from tests.support.inprocess import Side, burst, running
+from tests.support.waiting import wait_until
 
 Raw = psycopg.Connection[Any]
 

@@ -10,11 +10,13 @@ from typing import Any
 
 import pytest
 from sqlalchemy import Engine, Table
-from test_cli import JOBQ, TESTS_DIR, Jobq, ok, refused_all
 
 from sqla_jobq import client
 from sqla_jobq import queue_statements as qs
 from sqla_jobq.doctor import diagnose
+from tests.db.test_cli import Jobq, ok, refused_all
+from tests.support import APP_DIR
+from tests.support.processes import JOBQ
 
 
 @pytest.fixture
@@ -25,7 +27,7 @@ def run(database_url: str, table: Table) -> Jobq:
 
     def jobq(*args: str, env: None = None) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [JOBQ, *args], cwd=TESTS_DIR, env=base, capture_output=True, text=True, timeout=120
+            [JOBQ, *args], cwd=APP_DIR, env=base, capture_output=True, text=True, timeout=120
         )
 
     return jobq

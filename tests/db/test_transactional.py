@@ -9,7 +9,6 @@ from typing import Any
 
 import psycopg
 import pytest
-from inprocess import burst
 from psycopg.rows import dict_row
 from sqlalchemy import Connection, Engine, Table, text
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -17,6 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from sqla_jobq import LeaseLost, Registry, client, current_job, statements
 from sqla_jobq.db import conninfo
 from sqla_jobq.job import Job
+from tests.support.inprocess import burst
 
 Raw = psycopg.Connection[Any]
 

@@ -10,7 +10,6 @@ from typing import Any
 
 import psycopg
 import pytest
-from inprocess import running, wait_until
 from psycopg import sql
 from sqlalchemy import Engine, Table
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
@@ -27,6 +26,8 @@ from sqla_jobq import (
 )
 from sqla_jobq.db import conninfo, sqlalchemy_url
 from sqla_jobq.migrations import check_schema
+from tests.support.inprocess import running
+from tests.support.waiting import wait_until
 
 Raw = psycopg.Connection[Any]
 

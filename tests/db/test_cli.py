@@ -10,28 +10,24 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
-from conftest import drop_queue_table
 from psycopg.rows import dict_row
 from sqlalchemy import Engine, MetaData, Table, text
-from workerapp import SIDE_DDL
 
 from sqla_jobq import client, statements
 from sqla_jobq.db import conninfo
 from sqla_jobq.migrations import check_schema
 from sqla_jobq.schema import Names, jobs_table
-
-TESTS_DIR = Path(__file__).resolve().parent
-_BESIDE = Path(sys.executable).with_name("jobq")
-JOBQ = str(_BESIDE) if _BESIDE.exists() else "jobq"
+from tests.support import APP_DIR
+from tests.support.processes import JOBQ
+from tests.support.queues import drop_queue_table
+from tests.support.workerapp import SIDE_DDL
 
 Raw = psycopg.Connection[Any]
 Jobq = Callable[..., subprocess.CompletedProcess[str]]
@@ -39,7 +35,7 @@ Jobq = Callable[..., subprocess.CompletedProcess[str]]
 
 @pytest.fixture
 def jobq(database_url: str, table: Table) -> Jobq:
-    """Run `jobq ARGS...` from tests/ with the test database and table in the environment."""
+    """Run `jobq ARGS...` from tests/support/ with the test database and table in the env."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("JOBQ_")}
     base.update(JOBQ_DATABASE_URL=database_url, JOBQ_TABLE=table.name, JOBQ_TEST_TABLE=table.name)
 
@@ -53,7 +49,7 @@ def jobq(database_url: str, table: Table) -> Jobq:
             else:
                 full[key] = value
         return subprocess.run(
-            [JOBQ, *args], cwd=TESTS_DIR, env=full, capture_output=True, text=True, timeout=120
+            [JOBQ, *args], cwd=APP_DIR, env=full, capture_output=True, text=True, timeout=120
         )
 
     return run

@@ -1,7 +1,7 @@
 """The worker against real PostgreSQL, as real `jobq worker` processes.
 
 Every test starts `jobq worker workerapp:registry` subprocesses on a queue
-table of its own; the handlers (tests/workerapp.py) write each execution to a
+table of its own; the handlers (tests/support/workerapp.py) write each execution to a
 side table from connections of their own. Nothing here asserts on speed:
 waits poll the database against a generous deadline, and where a latency is
 the point (NOTIFY versus a 60 s poll) the bound is far from what it must beat.
@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta
@@ -23,32 +22,19 @@ import psycopg
 import pytest
 from psycopg.rows import dict_row
 from sqlalchemy import Engine, Table
-from workerapp import SIDE_DDL
 
 from sqla_jobq import client, statements
 from sqla_jobq.db import connect_kwargs, conninfo
 from sqla_jobq.statements import NewJob
-
-TESTS_DIR = Path(__file__).resolve().parent
-_BESIDE = Path(sys.executable).with_name("jobq")
-JOBQ = str(_BESIDE) if _BESIDE.exists() else "jobq"
+from tests.support import APP_DIR
+from tests.support.processes import JOBQ
+from tests.support.waiting import wait_until
+from tests.support.workerapp import SIDE_DDL
 
 Raw = psycopg.Connection[Any]
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def wait_until(condition: Callable[[], Any], timeout: float, what: str) -> Any:
-    """Poll `condition` until it returns something truthy; fail after `timeout`."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
 
 
 class WorkerProcess:
@@ -124,7 +110,7 @@ def start_worker(
         with log_path.open("wb") as log:
             proc = subprocess.Popen(
                 [JOBQ, "worker", "workerapp:registry", *args],
-                cwd=TESTS_DIR,
+                cwd=APP_DIR,
                 env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,

@@ -13,10 +13,8 @@ from typing import Any
 
 import psycopg
 import pytest
-from conftest import create_queue_table, drop_queue_table
 from sqlalchemy import Engine, MetaData, Table, create_engine, text
 from sqlalchemy.pool import NullPool
-from test_notify import listening, received
 
 from sqla_jobq import client, statements
 from sqla_jobq.db import conninfo, sqlalchemy_url
@@ -24,6 +22,8 @@ from sqla_jobq.migrations import SchemaError, check_schema
 from sqla_jobq.migrations.runner import migrate_to_latest
 from sqla_jobq.migrations.steps import LATEST, down_statements, up_statements
 from sqla_jobq.schema import Names, canonical_channel, jobs_table, names_of, quote_ident
+from tests.db.test_notify import listening, received
+from tests.support.queues import create_queue_table, drop_queue_table
 
 Raw = psycopg.Connection[Any]
 

@@ -1,0 +1,1 @@
+"""Tests against a real PostgreSQL (the session database of tests/conftest.py)."""

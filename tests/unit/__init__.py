@@ -1,0 +1,1 @@
+"""Tests that need no database: pure functions, parsing, compiled SQL."""
