@@ -301,6 +301,7 @@ def app_role(fq: FaultQueue) -> Iterator[str]:
     role = f"jobq_app_{uuid.uuid4().hex[:8]}"
     archive = fq.sql("SELECT to_regclass(%s)::text", (fq.names.archive_qualified,))[0][0]
     settings = fq.sql("SELECT to_regclass(%s)::text", (fq.names.queues_qualified,))[0][0]
+    registry = fq.sql("SELECT to_regclass(%s)::text", (fq.names.workers_qualified,))[0][0]
     with fq.connect() as conn:
         conn.execute(f"CREATE ROLE {role} LOGIN".encode())
         conn.execute(f"GRANT USAGE ON SCHEMA public TO {role}".encode())
@@ -309,6 +310,8 @@ def app_role(fq: FaultQueue) -> Iterator[str]:
             conn.execute(f"GRANT INSERT ON {archive} TO {role}".encode())
         if settings:  # schema version 5: every claim reads the queue settings
             conn.execute(f"GRANT SELECT ON {settings} TO {role}".encode())
+        if registry:  # schema version 5: workers keep their row, `stats` lists them
+            conn.execute(f"GRANT SELECT, INSERT, UPDATE, DELETE ON {registry} TO {role}".encode())
     yield role
     with fq.connect() as conn:
         drop_role(conn, role, owned=True)
