@@ -5,7 +5,7 @@ one queue paused (its backlog growing) and one held to a concurrency limit.
 
 Works on a scratch queue table, dropped afterwards, in DATABASE_URL (default:
 the local server on 127.0.0.1:5432), and drives Debian's Chromium
-(/usr/bin/chromium) with Playwright, as tests/test_dashboard_browser.py does.
+(/usr/bin/chromium) with Playwright, as tests/db/test_dashboard_browser.py does.
 """
 
 from __future__ import annotations
