@@ -1,0 +1,65 @@
+"""`python -m bench.scenes NAME [--minutes M]`: see bench/scenes/__init__.py."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+from .. import common
+from . import bloat, claim_probe, held_snapshot, many_workers
+
+SCENES = {
+    "held-snapshot": held_snapshot,
+    "bloat-at-peak": bloat,
+    "many-workers": many_workers,
+    "claim-probe": claim_probe,
+}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.scenes", description=__doc__)
+    parser.add_argument("scene", choices=sorted(SCENES))
+    parser.add_argument(
+        "--minutes",
+        type=float,
+        default=1.0,
+        help="scale factor of every phase (0.1 for a smoke run)",
+    )
+    parser.add_argument(
+        "--worker-arg",
+        action="append",
+        default=[],
+        help="bloat-at-peak: extra option for the worker (repeatable), "
+        "e.g. --worker-arg=--prune-older-than=30s",
+    )
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+
+    def log(line: str) -> None:
+        print(line, flush=True)
+
+    started = time.perf_counter()
+    load = os.getloadavg()[0]
+    if args.scene == "bloat-at-peak":
+        result = bloat.run(args.minutes, log, args.worker_arg)
+    else:
+        result = SCENES[args.scene].run(args.minutes, log)
+    result["command"] = " ".join(["python -m bench.scenes", *sys.argv[1:]])
+    result["load_start"], result["load_end"] = load, os.getloadavg()[0]
+    result["elapsed_s"] = time.perf_counter() - started
+    log("")
+    log(SCENES[args.scene].report(result))
+    log(
+        f"load average {load:.1f} at the start, {result['load_end']:.1f} at the end; "
+        f"{result['elapsed_s']:.0f} s"
+    )
+    out = args.json or common.REPO / "bench" / "results" / f"scene-{args.scene}.json"
+    common.dump_json(out, result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

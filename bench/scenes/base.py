@@ -1,0 +1,401 @@
+"""What the scenes share: a throwaway cluster, producers, workers, 10-second samples.
+
+Every scene runs on a PostgreSQL 15 cluster of its own (initdb as the
+`postgres` user, a free port, PostgreSQL's default settings: autovacuum on,
+naptime 1 min), because the shared development server has autovacuum off.
+The cluster is stopped and removed when the scene ends, whatever happens.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+from sqla_jobq import jobs, statements
+from sqla_jobq.db import conninfo
+
+from .. import common
+
+PG_BIN = Path("/usr/lib/postgresql/15/bin")
+PGBOUNCER = shutil.which("pgbouncer") or "/usr/sbin/pgbouncer"
+SAMPLE_SECONDS = 10.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _as_postgres(*args: str) -> list[str]:
+    return ["runuser", "-u", "postgres", "--", *args] if os.geteuid() == 0 else list(args)
+
+
+def _postgres_dir(prefix: str) -> Path:
+    root = Path(tempfile.mkdtemp(prefix=prefix))
+    if os.geteuid() == 0:
+        shutil.chown(root, "postgres", "postgres")
+    return root
+
+
+@dataclass(frozen=True)
+class Cluster:
+    port: int
+    root: Path
+
+    def url(self, database: str = "scene") -> str:
+        return f"postgresql://postgres@127.0.0.1:{self.port}/{database}"
+
+    def dsn(self, database: str = "scene") -> str:
+        return conninfo(self.url(database))
+
+    def connect(self, database: str = "scene") -> psycopg.Connection[Any]:
+        return psycopg.connect(self.dsn(database), autocommit=True)
+
+    def bench(self) -> common.Bench:
+        """A `common.Bench` on the scene database, for `common.fill` and `common.outcome`."""
+        return common.Bench("scene", self.url(), common.Sizes(), 1)
+
+    def settings(self) -> dict[str, str]:
+        with self.connect() as conn:
+            rows = conn.execute(
+                "SELECT name, setting FROM pg_settings WHERE name IN ('autovacuum', "
+                "'autovacuum_naptime', 'autovacuum_vacuum_scale_factor', "
+                "'autovacuum_vacuum_threshold', 'autovacuum_vacuum_insert_scale_factor', "
+                "'autovacuum_vacuum_cost_limit', 'autovacuum_vacuum_cost_delay', "
+                "'shared_buffers', 'synchronous_commit', 'max_connections')"
+            ).fetchall()
+            version = conn.execute("SHOW server_version").fetchone()
+        out = {str(k): str(v) for k, v in rows}
+        out["server_version"] = str(version[0]) if version else "?"
+        return out
+
+
+@contextmanager
+def throwaway_cluster() -> Iterator[Cluster]:
+    """A fresh PostgreSQL 15 cluster with default settings, a migrated `scene` database."""
+    root = _postgres_dir("jobq_scene_")
+    data, port = root / "data", free_port()
+    subprocess.run(
+        _as_postgres(str(PG_BIN / "initdb"), "-D", str(data), "-A", "trust", "-U", "postgres"),
+        check=True,
+        capture_output=True,
+    )
+    options = f"-p {port} -k {root} -c listen_addresses=127.0.0.1"
+    subprocess.run(
+        _as_postgres(
+            str(PG_BIN / "pg_ctl"),
+            "-D",
+            str(data),
+            "-o",
+            options,
+            "-w",
+            "-l",
+            str(root / "log"),
+            "start",
+        ),
+        check=True,
+        capture_output=True,
+    )
+    cluster = Cluster(port, root)
+    try:
+        with cluster.connect("postgres") as conn:
+            conn.execute("CREATE DATABASE scene")
+        subprocess.run(
+            [*common.jobq_command(), "migrate", "--database-url", cluster.url()],
+            check=True,
+            capture_output=True,
+            cwd=common.REPO,
+            env=common.child_env(),
+        )
+        yield cluster
+    finally:
+        subprocess.run(
+            _as_postgres(str(PG_BIN / "pg_ctl"), "-D", str(data), "-m", "immediate", "-w", "stop"),
+            capture_output=True,
+        )
+        shutil.rmtree(root, ignore_errors=True)
+
+
+# --- workers ---------------------------------------------------------------------
+
+
+def worker_cmd(url: str, concurrency: int, *extra: str, burst: bool = False) -> list[str]:
+    cmd = [
+        *common.jobq_command(),
+        "worker",
+        "bench.tasks:registry",
+        "--database-url",
+        url,
+        "-c",
+        str(concurrency),
+        "--log-level",
+        "WARNING",
+        *extra,
+    ]
+    return cmd + (["--burst"] if burst else [])
+
+
+@contextmanager
+def workers(cmds: Sequence[Sequence[str]]) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """Long-running workers, output read and dropped, SIGTERM (then SIGKILL) at the end."""
+    procs = [
+        subprocess.Popen(
+            list(cmd),
+            cwd=common.REPO,
+            env=common.child_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        for cmd in cmds
+    ]
+    readers = [threading.Thread(target=_drop, args=(p,), daemon=True) for p in procs]
+    for r in readers:
+        r.start()
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(45)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+
+
+def _drop(proc: subprocess.Popen[bytes]) -> None:
+    assert proc.stdout is not None
+    for _ in iter(lambda: proc.stdout.read(65536), b""):  # type: ignore[union-attr]
+        pass
+
+
+def saturated_rate(cluster: Cluster, jobs_count: int, concurrency: int = 8) -> float:
+    """Jobs/s of one burst worker draining `jobs_count` ready no-op jobs (server clock)."""
+    bench = cluster.bench()
+    common.fill(bench, jobs_count)
+    common.run_children([worker_cmd(cluster.url(), concurrency, burst=True)], timeout=600)
+    o = common.outcome(bench)
+    common.require_all_done(o, "saturation drain")
+    with cluster.connect() as conn:
+        conn.execute("TRUNCATE jobs")
+    return o.rate
+
+
+# --- producers -------------------------------------------------------------------
+
+
+def _compiled_enqueue(count: int) -> tuple[str, dict[str, Any]]:
+    from sqlalchemy.dialects.postgresql import psycopg as pg_psycopg
+
+    rows = [statements.NewJob("noop", {}) for _ in range(count)]
+    stmt = statements.enqueue_many(jobs, rows).compile(dialect=pg_psycopg.dialect())  # type: ignore[no-untyped-call]
+    return stmt.string, dict(stmt.params)
+
+
+class SteadyProducer(threading.Thread):
+    """Offers `rate` no-op jobs a second in `ticks` small transactions a second.
+
+    The schedule is absolute (tick k at start + k / ticks); a tick that comes
+    late is sent at once, so a slow server delays jobs but does not lower the
+    offered load. What was offered is read back from the rows' `created_at`.
+    """
+
+    def __init__(self, dsn: str, rate: float, ticks: int = 20) -> None:
+        super().__init__(daemon=True)
+        self.dsn, self.ticks = dsn, ticks
+        self.per_tick = max(1, round(rate / ticks))
+        self.rate = self.per_tick * ticks
+        self.sent = 0
+        self.late_ticks = 0
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        sql, params = _compiled_enqueue(self.per_tick)
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            start = time.monotonic()
+            k = 0
+            while not self.stop.is_set():
+                conn.execute(sql, params)
+                self.sent += self.per_tick
+                k += 1
+                wait = start + k / self.ticks - time.monotonic()
+                if wait > 0:
+                    self.stop.wait(wait)
+                else:
+                    self.late_ticks += 1
+
+
+class TopUpProducer(threading.Thread):
+    """Keeps about `ready` jobs queued: every 20 ms, tops the queue back up."""
+
+    def __init__(self, dsn: str, ready: int, chunk: int = 1000) -> None:
+        super().__init__(daemon=True)
+        self.dsn, self.ready, self.chunk = dsn, ready, chunk
+        self.sent = 0
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        sql, params = _compiled_enqueue(self.chunk)
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            while not self.stop.is_set():
+                row = conn.execute("SELECT count(*) FROM jobs WHERE status = 'queued'").fetchone()
+                missing = self.ready - int(row[0]) if row else 0
+                while missing >= self.chunk // 2 and not self.stop.is_set():
+                    conn.execute(sql, params)
+                    self.sent += self.chunk
+                    missing -= self.chunk
+                self.stop.wait(0.02)
+
+
+# --- samples -----------------------------------------------------------------------
+
+
+@dataclass
+class Sample:
+    t: float  # seconds since the scene's clock started
+    n_live_tup: int
+    n_dead_tup: int
+    table_bytes: int  # heap (main fork)
+    index_bytes: int  # all indexes of the jobs table
+    total_bytes: int  # heap + indexes + TOAST + FSM/VM
+    autovacuums: int
+    autoanalyzes: int
+    queued: int
+    indexes: dict[str, int]
+
+
+def sample(conn: psycopg.Connection[Any], t: float) -> Sample:
+    row = conn.execute(
+        """
+        SELECT n_live_tup, n_dead_tup, pg_relation_size(relid), pg_indexes_size(relid),
+               pg_total_relation_size(relid), autovacuum_count, autoanalyze_count,
+               (SELECT count(*) FROM jobs WHERE status = 'queued')
+        FROM pg_stat_user_tables WHERE relname = 'jobs'
+        """
+    ).fetchone()
+    assert row is not None
+    indexes = dict(
+        conn.execute(
+            "SELECT indexrelname, pg_relation_size(indexrelid) FROM pg_stat_user_indexes "
+            "WHERE relname = 'jobs' ORDER BY indexrelname"
+        ).fetchall()
+    )
+    live, dead, heap, idx, total, vac, an, queued = (int(v) for v in row)
+    return Sample(
+        t,
+        live,
+        dead,
+        heap,
+        idx,
+        total,
+        vac,
+        an,
+        queued,
+        {str(k): int(v) for k, v in indexes.items()},
+    )
+
+
+class Sampler(threading.Thread):
+    """`sample()` every `every` seconds on its own connection, from `t0` on."""
+
+    def __init__(self, dsn: str, t0: float, every: float = SAMPLE_SECONDS) -> None:
+        super().__init__(daemon=True)
+        self.dsn, self.t0, self.every = dsn, t0, every
+        self.samples: list[Sample] = []
+        self.stop = threading.Event()
+        self.on_sample: Any = None
+
+    def run(self) -> None:
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            k = 1
+            while not self.stop.wait(max(0.0, self.t0 + k * self.every - time.monotonic())):
+                s = sample(conn, time.monotonic() - self.t0)
+                self.samples.append(s)
+                if self.on_sample:
+                    self.on_sample(s)
+                k += 1
+
+
+def sample_at(samples: list[Sample], t: float) -> Sample | None:
+    """The sample taken closest to `t` (within 3 s), e.g. at the end of a bucket."""
+    best = min(samples, key=lambda s: abs(s.t - t), default=None)
+    return best if best is not None and abs(best.t - t) <= 3 else None
+
+
+def server_epoch(conn: psycopg.Connection[Any]) -> float:
+    """The server's clock as a Unix time, to line `created_at` up with the scene's clock."""
+    row = conn.execute("SELECT extract(epoch FROM clock_timestamp())").fetchone()
+    assert row is not None
+    return float(row[0])
+
+
+@dataclass
+class Bucket:
+    start: float  # seconds since the scene's clock started
+    offered: int  # jobs created in the bucket
+    completed: int  # jobs finished in the bucket
+    # started_at - created_at of the jobs created in the bucket; a job not started
+    # by the end of the scene counts as started at the end (a lower bound).
+    pickup_p50_ms: float
+    pickup_p99_ms: float
+    unstarted: int  # jobs created in the bucket and not started by the end
+
+
+def buckets(
+    conn: psycopg.Connection[Any], epoch0: float, seconds: float, every: float = SAMPLE_SECONDS
+) -> list[Bucket]:
+    """Per 10-second bucket of the scene's clock, read back from the rows."""
+    made = {
+        int(b): (int(n), float(p50 or 0), float(p99 or 0), int(u))
+        for b, n, p50, p99, u in conn.execute(
+            """
+            SELECT floor((extract(epoch FROM created_at) - %(e)s) / %(w)s) AS b, count(*),
+                   1000 * percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(
+                       epoch FROM coalesce(started_at, to_timestamp(%(end)s)) - created_at)),
+                   1000 * percentile_cont(0.99) WITHIN GROUP (ORDER BY extract(
+                       epoch FROM coalesce(started_at, to_timestamp(%(end)s)) - created_at)),
+                   count(*) FILTER (WHERE started_at IS NULL)
+            FROM jobs WHERE created_at >= to_timestamp(%(e)s) GROUP BY 1
+            """,
+            {"e": epoch0, "w": every, "end": epoch0 + seconds},
+        ).fetchall()
+    }
+    done = {
+        int(b): int(n)
+        for b, n in conn.execute(
+            """
+            SELECT floor((extract(epoch FROM finished_at) - %(e)s) / %(w)s), count(*)
+            FROM jobs WHERE finished_at >= to_timestamp(%(e)s) GROUP BY 1
+            """,
+            {"e": epoch0, "w": every},
+        ).fetchall()
+    }
+    out = []
+    for b in range(int(seconds // every)):
+        n, p50, p99, unstarted = made.get(b, (0, float("nan"), float("nan"), 0))
+        out.append(Bucket(b * every, n, done.get(b, 0), p50, p99, unstarted))
+    return out
+
+
+MB = 1024 * 1024
+
+
+def mb(n: float) -> str:
+    return f"{n / MB:.1f}"

@@ -1,0 +1,238 @@
+"""Held snapshot: a steady load while another session holds a REPEATABLE READ snapshot.
+
+On a throwaway cluster (autovacuum on, default settings):
+
+1. the saturated rate: one `jobq worker -c 8 --burst --log-level WARNING`
+   drains 20,000 ready no-op jobs (server clock, first claim to last completion);
+2. the same worker, not in burst mode, works a steady offered load of half
+   that rate (20 small INSERT transactions a second);
+3. after a clean minute, another session opens a `REPEATABLE READ`
+   transaction, reads one row of the jobs table (which takes its snapshot)
+   and holds it for 3 minutes, then commits; the scene goes on for 3 more
+   minutes to see it recover.
+
+Every 10 s it samples `pg_stat_user_tables` (live and dead tuples, autovacuum
+runs), the jobs table's heap and index sizes and the backlog; at the end it
+reads back from the rows, per 10-second bucket, what was offered (`created_at`),
+what was completed (`finished_at`), and the pickup latency (`started_at -
+created_at`: the server's enqueue-to-claim time) p50 and p99.
+
+`--minutes` scales every phase (0.1 for a smoke run of about 40 s).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict
+from typing import Any
+
+import psycopg
+
+from . import base
+
+
+def run(minutes: float, log: Any) -> dict[str, Any]:
+    clean, hold, after = 60 * minutes, 180 * minutes, 180 * minutes
+    every = base.SAMPLE_SECONDS if minutes >= 0.5 else 5.0
+    sat_jobs = 20_000 if minutes >= 0.5 else 3_000
+    with base.throwaway_cluster() as cluster:
+        settings = cluster.settings()
+        sat = base.saturated_rate(cluster, sat_jobs)
+        offered = sat / 2
+        log(
+            f"held snapshot: saturated {sat:,.0f} jobs/s ({sat_jobs:,} jobs, burst -c 8); "
+            f"offering {offered:,.0f} jobs/s; clean {clean:.0f} s, hold {hold:.0f} s, "
+            f"after {after:.0f} s; samples every {every:.0f} s"
+        )
+        log(
+            f"  cluster: PostgreSQL {settings['server_version']}, autovacuum "
+            f"{settings['autovacuum']}, naptime {settings['autovacuum_naptime']} s, "
+            f"scale factor {settings['autovacuum_vacuum_scale_factor']}"
+        )
+        log(HEADER)
+        with base.workers([base.worker_cmd(cluster.url(), 8)]):
+            time.sleep(2)  # the worker connects and LISTENs
+            with cluster.connect() as conn:
+                epoch0 = base.server_epoch(conn)
+            t0 = time.monotonic()
+            producer = base.SteadyProducer(cluster.dsn(), offered)
+            sampler = base.Sampler(cluster.dsn(), t0, every)
+            sampler.on_sample = lambda s: log(_live_line(s))
+            producer.start()
+            sampler.start()
+            holder = psycopg.connect(cluster.dsn())
+            try:
+                time.sleep(max(0.0, t0 + clean - time.monotonic()))
+                holder.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+                holder.execute("SELECT id FROM jobs LIMIT 1").fetchall()
+                hold_start = time.monotonic() - t0
+                log(f"  -- {hold_start:.0f} s: REPEATABLE READ snapshot taken and held")
+                time.sleep(max(0.0, t0 + clean + hold - time.monotonic()))
+                holder.commit()
+                hold_end = time.monotonic() - t0
+                log(f"  -- {hold_end:.0f} s: snapshot released")
+                time.sleep(max(0.0, t0 + clean + hold + after - time.monotonic()))
+            finally:
+                holder.close()
+                producer.stop.set()
+                sampler.stop.set()
+                producer.join()
+                sampler.join()
+            total = time.monotonic() - t0
+            time.sleep(3)  # the worker finishes what it holds
+        with cluster.connect() as conn:
+            rows = base.buckets(conn, epoch0, total, every)
+    return summarize(
+        sat,
+        producer.rate,
+        producer.late_ticks,
+        settings,
+        sampler.samples,
+        rows,
+        hold_start,
+        hold_end,
+        every,
+    )
+
+
+HEADER = (
+    f"{'t s':>5} {'queued':>7} {'live':>9} {'dead':>9} {'heap MB':>8} {'idx MB':>7} "
+    f"{'total MB':>8} {'autovac':>7}"
+)
+
+
+def _live_line(s: base.Sample) -> str:
+    return (
+        f"{s.t:>5.0f} {s.queued:>7,} {s.n_live_tup:>9,} {s.n_dead_tup:>9,} "
+        f"{base.mb(s.table_bytes):>8} {base.mb(s.index_bytes):>7} "
+        f"{base.mb(s.total_bytes):>8} {s.autovacuums:>7}"
+    )
+
+
+def summarize(
+    sat: float,
+    offered: float,
+    late: int,
+    settings: dict[str, str],
+    samples: list[base.Sample],
+    rows: list[base.Bucket],
+    hold_start: float,
+    hold_end: float,
+    every: float,
+) -> dict[str, Any]:
+    def phase(start: float) -> str:
+        end = start + every
+        if end <= hold_start:
+            return "clean"
+        if start >= hold_end:
+            return "after"
+        return "hold" if start >= hold_start and end <= hold_end else "edge"
+
+    clean = [b for b in rows if phase(b.start) == "clean"]
+    if len(clean) > 2:
+        clean = clean[1:]  # the first bucket warms up
+    held = [b for b in rows if phase(b.start) == "hold"]
+    after = [b for b in rows if phase(b.start) == "after"]
+    clean_p99 = statistics.median([b.pickup_p99_ms for b in clean]) if clean else float("nan")
+    clean_p50 = statistics.median([b.pickup_p50_ms for b in clean]) if clean else float("nan")
+    off_hold = sum(b.offered for b in held)
+    done_hold = sum(b.completed for b in held)
+    worst = min((b.completed / b.offered for b in held if b.offered), default=float("nan"))
+    hold_p99 = max((b.pickup_p99_ms for b in held), default=float("nan"))
+    hold_p99_median = statistics.median([b.pickup_p99_ms for b in held]) if held else float("nan")
+    # Latency recovered: the first bucket after the release from which on every
+    # bucket's p99 is within 1.5x the clean p99.
+    latency_back = None
+    for i, b in enumerate(after):
+        if all(x.pickup_p99_ms <= 1.5 * clean_p99 for x in after[i:-1] or [b]):
+            latency_back = b.start - hold_end
+            break
+    clean_queued = max((s.queued for s in samples if s.t <= hold_start), default=0)
+    backlog_back = next(
+        (
+            s.t - hold_end
+            for s in samples
+            if s.t > hold_end and s.queued <= max(2 * clean_queued, 1_000)
+        ),
+        None,
+    )
+    clean_dead = max((s.n_dead_tup for s in samples if s.t <= hold_start), default=0)
+    peak_dead = max((s.n_dead_tup for s in samples), default=0)
+    dead_back = next(
+        (
+            s.t - hold_end
+            for s in samples
+            if s.t > hold_end and s.n_dead_tup <= max(1.2 * clean_dead, 0.1 * peak_dead)
+        ),
+        None,
+    )
+    table = []
+    for b in rows:
+        s = base.sample_at(samples, b.start + every)
+        table.append({"phase": phase(b.start), **asdict(b), **(asdict(s) if s else {})})
+    return {
+        "settings": settings,
+        "saturated_jobs_per_s": sat,
+        "offered_jobs_per_s": offered,
+        "late_ticks": late,
+        "hold_start_s": hold_start,
+        "hold_end_s": hold_end,
+        "clean_pickup_p50_ms": clean_p50,
+        "clean_pickup_p99_ms": clean_p99,
+        "hold_completed_over_offered": done_hold / off_hold if off_hold else float("nan"),
+        "hold_worst_bucket_completed_over_offered": worst,
+        "hold_pickup_p99_max_ms": hold_p99,
+        "hold_pickup_p99_median_ms": hold_p99_median,
+        "hold_p99_over_clean_p99": hold_p99 / clean_p99 if clean_p99 else float("nan"),
+        "latency_recovered_after_release_s": latency_back,
+        "clean_backlog_max": clean_queued,
+        "peak_backlog": max((s.queued for s in samples), default=0),
+        "backlog_back_after_release_s": backlog_back,
+        "clean_dead_tuples_max": clean_dead,
+        "peak_dead_tuples": peak_dead,
+        "dead_tuples_reclaimed_after_release_s": dead_back,
+        "buckets": table,
+    }
+
+
+def report(r: dict[str, Any]) -> str:
+    lines = [
+        f"{'t s':>5} {'phase':<5} {'offered/s':>9} {'done/s':>8} {'done/off':>8} "
+        f"{'p50 ms':>8} {'p99 ms':>8} {'dead':>9} {'live':>9} {'heap MB':>8} "
+        f"{'idx MB':>7} {'autovac':>7} {'queued':>8} {'unstarted':>9}"
+    ]
+    every = (r["buckets"][1]["start"] - r["buckets"][0]["start"]) if len(r["buckets"]) > 1 else 10
+    for b in r["buckets"]:
+        ratio = b["completed"] / b["offered"] if b["offered"] else float("nan")
+        lines.append(
+            f"{b['start']:>5.0f} {b['phase']:<5} {b['offered'] / every:>9,.0f} "
+            f"{b['completed'] / every:>8,.0f} {ratio:>8.2f} {b['pickup_p50_ms']:>8.1f} "
+            f"{b['pickup_p99_ms']:>8.1f} {b.get('n_dead_tup', 0):>9,} "
+            f"{b.get('n_live_tup', 0):>9,} {base.mb(b.get('table_bytes', 0)):>8} "
+            f"{base.mb(b.get('index_bytes', 0)):>7} {b.get('autovacuums', 0):>7} "
+            f"{b.get('queued', 0):>8,} {b['unstarted']:>9,}"
+        )
+
+    def s(v: Any, unit: str = "") -> str:
+        return "never (within the scene)" if v is None else f"{v:,.1f}{unit}"
+
+    lines += [
+        f"saturated {r['saturated_jobs_per_s']:,.0f} jobs/s, offered "
+        f"{r['offered_jobs_per_s']:,.0f} jobs/s ({r['late_ticks']} late producer ticks)",
+        f"during the hold: completed / offered = {r['hold_completed_over_offered']:.3f} "
+        f"(worst 10 s: {r['hold_worst_bucket_completed_over_offered']:.3f})",
+        f"pickup p99: clean {r['clean_pickup_p99_ms']:.1f} ms (p50 "
+        f"{r['clean_pickup_p50_ms']:.1f}), during the hold max "
+        f"{r['hold_pickup_p99_max_ms']:.1f} ms (median of buckets "
+        f"{r['hold_pickup_p99_median_ms']:.1f}): {r['hold_p99_over_clean_p99']:.2f}x clean",
+        f"dead tuples: clean max {r['clean_dead_tuples_max']:,}, peak "
+        f"{r['peak_dead_tuples']:,}; reclaimed "
+        f"{s(r['dead_tuples_reclaimed_after_release_s'], ' s')} after the release",
+        f"backlog: clean max {r['clean_backlog_max']:,}, peak {r['peak_backlog']:,}; back "
+        f"under max(2x clean, 1,000) {s(r['backlog_back_after_release_s'], ' s')} after the "
+        "release",
+        f"pickup p99 back within 1.5x clean "
+        f"{s(r['latency_recovered_after_release_s'], ' s')} after the release",
+    ]
+    return "\n".join(lines)

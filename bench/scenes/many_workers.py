@@ -1,0 +1,201 @@
+"""Many workers: 4 processes x `-c 8` against 1 process x `-c 32` on the same jobs.
+
+On a throwaway cluster (autovacuum on, default settings). Each contender
+drains the same freshly filled queue (TRUNCATE, 20,000 ready no-op jobs,
+VACUUM ANALYZE, CHECKPOINT) with `jobq worker --burst --log-level WARNING`;
+the rate comes from the server (first claim to last completion), and every job
+must be done, claimed once apart from claims handed back unstarted (see
+`drained`: with several burst workers a few dozen jobs per drain are handed
+back and claimed again; a run with a per-execution stamp file found every job
+executed exactly once). Rounds are interleaved; each ratio is the
+median of the per-round ratios.
+
+If `/usr/sbin/pgbouncer` exists, two more contenders: the same 4 x 8 through
+PgBouncer in transaction mode (`--no-prepared`, `--listen-url` straight to
+the server; PgBouncer's default pool size, 20), and 4 x 8 direct with
+`--no-prepared`, to tell the pooler's cost from that of unprepared statements.
+
+`--minutes` scales the job count (0.1: 2,000 jobs, 1 round, for a smoke run).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+from sqla_jobq.db import conninfo
+
+from .. import common
+from . import base
+
+PGBOUNCER_INI = """\
+[databases]
+scene = host=127.0.0.1 port={pg_port} dbname=scene
+
+[pgbouncer]
+listen_addr = 127.0.0.1
+listen_port = {port}
+unix_socket_dir =
+auth_type = trust
+auth_file = {dir}/userlist.txt
+pool_mode = transaction
+ignore_startup_parameters = extra_float_digits, options
+max_client_conn = 200
+"""
+
+
+@contextmanager
+def pgbouncer(cluster: base.Cluster) -> Iterator[str]:
+    """PgBouncer in transaction mode in front of the scene database; its URL."""
+    root = base._postgres_dir("jobq_pgbouncer_")
+    port = base.free_port()
+    ini = root / "pgbouncer.ini"
+    ini.write_text(PGBOUNCER_INI.format(pg_port=cluster.port, port=port, dir=root))
+    (root / "userlist.txt").write_text('"postgres" ""\n')
+    if os.geteuid() == 0:
+        for path in (ini, root / "userlist.txt"):
+            shutil.chown(path, "postgres", "postgres")
+    log = open(root / "pgbouncer.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen(
+        base._as_postgres(base.PGBOUNCER, str(ini)),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    url = f"postgresql://postgres@127.0.0.1:{port}/scene"
+    try:
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                psycopg.connect(conninfo(url), connect_timeout=2).close()
+                break
+            except psycopg.OperationalError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"pgbouncer did not start: {(root / 'pgbouncer.log').read_text()}"
+                    ) from None
+                time.sleep(0.1)
+        yield url
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        log.close()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def run(minutes: float, log: Any, rounds: int = 3) -> dict[str, Any]:
+    n = max(2_000, int(20_000 * min(1.0, minutes)))
+    rounds = rounds if minutes >= 0.5 else 1
+    with_bouncer = Path(base.PGBOUNCER).exists()
+    with (
+        base.throwaway_cluster() as cluster,
+        pgbouncer(cluster) if with_bouncer else _none() as bouncer_url,
+    ):
+        settings = cluster.settings()
+        direct = cluster.url()
+        contenders: dict[str, list[list[str]]] = {
+            "1 x 32": [base.worker_cmd(direct, 32, burst=True)],
+            "4 x 8": [base.worker_cmd(direct, 8, burst=True) for _ in range(4)],
+        }
+        if bouncer_url:
+            contenders["4 x 8 via PgBouncer"] = [
+                base.worker_cmd(bouncer_url, 8, "--no-prepared", "--listen-url", direct, burst=True)
+                for _ in range(4)
+            ]
+            contenders["4 x 8 direct --no-prepared"] = [
+                base.worker_cmd(direct, 8, "--no-prepared", burst=True) for _ in range(4)
+            ]
+        log(
+            f"many workers: {n:,} no-op jobs per drain, {rounds} rounds interleaved; "
+            f"PgBouncer {'in transaction mode' if bouncer_url else 'not installed'}"
+        )
+        bench = cluster.bench()
+        common.fill(bench, min(n, 5_000))  # untimed warm-up
+        common.run_children(contenders["1 x 32"], timeout=600)
+        per: dict[str, list[float]] = {name: [] for name in contenders}
+        back: dict[str, list[int]] = {name: [] for name in contenders}
+        for r in range(rounds):
+            for name, cmds in contenders.items():
+                common.fill(bench, n)
+                common.run_children(cmds, timeout=600)
+                rate, handed_back = drained(cluster, n, name)
+                per[name].append(rate)
+                back[name].append(handed_back)
+                log(
+                    f"  round {r + 1} {name:<28} {rate:>9,.0f} jobs/s  "
+                    f"({handed_back} jobs handed back unstarted and claimed again)"
+                )
+    ratios = {"4 x 8 / 1 x 32": _ratio(per, "4 x 8", "1 x 32")}
+    if "4 x 8 via PgBouncer" in per:
+        ratios["4 x 8 via PgBouncer / 4 x 8 direct"] = _ratio(per, "4 x 8 via PgBouncer", "4 x 8")
+        ratios["4 x 8 via PgBouncer / 4 x 8 direct --no-prepared"] = _ratio(
+            per, "4 x 8 via PgBouncer", "4 x 8 direct --no-prepared"
+        )
+        ratios["4 x 8 direct --no-prepared / 4 x 8 direct"] = _ratio(
+            per, "4 x 8 direct --no-prepared", "4 x 8"
+        )
+    return {"settings": settings, "jobs": n, "rounds": rounds, "jobs_per_s": per, "ratios": ratios}
+
+
+def drained(cluster: base.Cluster, n: int, name: str) -> tuple[float, int]:
+    """Jobs/s (first claim to last completion) and how many jobs were claimed twice.
+
+    Every job must be `done`, claimed once more than it was handed back
+    unstarted: `attempts` is the fencing token and only goes up; a hand-back of
+    an attempt that never started refunds it by raising `max_attempts` by one
+    (statements.release_many), so `attempts - (max_attempts - 5)` is the number
+    of claims that were not refunded, and must be 1 (5 is the default).
+    """
+    with cluster.connect() as conn:
+        row = conn.execute(
+            """SELECT count(*), count(*) FILTER (WHERE status = 'done'),
+                 count(*) FILTER (WHERE status = 'done' AND attempts - (max_attempts - 5) = 1),
+                 count(*) FILTER (WHERE attempts > 1),
+                 extract(epoch FROM max(finished_at) - min(started_at))
+               FROM jobs"""
+        ).fetchone()
+    assert row is not None
+    total, done, once, again, seconds = row
+    if not total == done == once == n:
+        raise RuntimeError(
+            f"{name}: {done} of {total} done, {once} with one unrefunded claim (want {n})"
+        )
+    return n / float(seconds), int(again)
+
+
+@contextmanager
+def _none() -> Iterator[None]:
+    yield None
+
+
+def _ratio(per: dict[str, list[float]], a: str, b: str) -> float:
+    return statistics.median([x / y for x, y in zip(per[a], per[b], strict=True)])
+
+
+def report(r: dict[str, Any]) -> str:
+    lines = [f"{'contender':<30} {'median jobs/s':>14}   per round (jobs handed back)"]
+    for name, rates in r["jobs_per_s"].items():
+        back = r["handed_back"][name]
+        lines.append(
+            f"{name:<30} {statistics.median(rates):>14,.0f}   "
+            + ", ".join(f"{x:,.0f} ({b})" for x, b in zip(rates, back, strict=True))
+        )
+    for name, value in r["ratios"].items():
+        lines.append(f"{name}: {value:.2f}x")
+    return "\n".join(lines)
