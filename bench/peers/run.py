@@ -1,6 +1,6 @@
 """sqla_jobq against procrastinate and pgqueuer: the same scenarios, the same run.
 
-    python -m bench.peers                 # about 6 minutes here; rewrites the table
+    python -m bench.peers                 # about 5 minutes here; rewrites the table
     python -m bench.peers --quick         # smoke run, small sizes, docs untouched
     python -m bench.peers --rounds 3 --no-docs --json /tmp/peers.json
 
