@@ -1,7 +1,7 @@
-"""`python -m bench`: see bench/runner.py."""
+"""`python -m bench`: see bench/suite/runner.py."""
 
 import sys
 
-from .runner import main
+from .suite.runner import main
 
 sys.exit(main())

@@ -29,7 +29,7 @@ every ratio the median of the per-round ratios:
   jobs committed one at a time, 20 ms apart, each through the library's
   enqueue inside a transaction; time.time() just before COMMIT against the
   handler's first act. Baselines, same round: raw LISTEN/NOTIFY, and raw plus
-  one claim round trip (bench/latency.py).
+  one claim round trip (bench/suite/latency.py).
 
 Workers: ours `jobq worker bench.tasks:registry -c 8 --burst` at its default
 log level (INFO) and at `--log-level WARNING`; pgqueuer `pgq run
@@ -65,8 +65,9 @@ from sqlalchemy.pool import NullPool
 
 from sqla_jobq.db import conninfo, parse_url
 
-from .. import common, latency
+from .. import common
 from ..common import BackendCPU, Bench
+from ..suite import latency
 
 HERE = Path(__file__).resolve().parent
 DOCS = common.REPO / "docs" / "benchmarks.md"
@@ -321,7 +322,7 @@ class Ours(System):
     def copy(self, n: int) -> float:
         from sqla_jobq.statements import NewJob
 
-        from .. import enqueue
+        from ..suite import enqueue
 
         rows = [NewJob(task="echo", payload={"n": i}) for i in range(n)]
         return n / enqueue._copy(self.bench, rows)
@@ -644,7 +645,7 @@ STOP = -999_999
 def raw_floor(
     bench: Bench,
 ) -> Iterator[tuple[Callable[[int], tuple[float, float]], dict[int, float], dict[int, float]]]:
-    """Raw LISTEN/NOTIFY, and raw plus one claim, one job at a time (as bench/latency.py).
+    """Raw LISTEN/NOTIFY, and raw plus one claim, one job at a time (as bench/suite/latency.py).
 
     The producer commits an enqueue's INSERT into `jobs_floor` (our schema: its
     trigger sends the NOTIFY); the listener records when the notification

@@ -26,8 +26,8 @@ from sqlalchemy.pool import NullPool
 from sqla_jobq import client, jobs
 from sqla_jobq.statements import NewJob
 
-from . import common
-from .common import Bench
+from .. import common
+from ..common import Bench
 
 
 def _rows(n: int) -> list[NewJob]:

@@ -20,8 +20,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from . import common
-from .common import Bench
+from .. import common
+from ..common import Bench
 
 MB = 1024 * 1024
 

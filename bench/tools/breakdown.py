@@ -1,4 +1,4 @@
-"""Where pickup latency goes: `python -m bench.breakdown [JOBS]`.
+"""Where pickup latency goes: `python -m bench.tools.breakdown [JOBS]`.
 
 Not part of the suite: it runs the worker in this process (non-burst, LISTEN
 active) with its claim and its wake-up timed, enqueues JOBS `stamp` jobs one
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import json
 import os
 import sys
 import tempfile
@@ -23,10 +24,9 @@ from sqlalchemy import create_engine
 from sqlalchemy.pool import NullPool
 
 from sqla_jobq import driver
-from sqla_jobq.registry import Job
 from sqla_jobq.worker import Worker, WorkerOptions
 
-from . import common, tasks
+from .. import common, tasks
 
 
 def main(argv: list[str]) -> int:
@@ -35,13 +35,14 @@ def main(argv: list[str]) -> int:
     wakes: list[float] = []
     original = driver.Driver.claim
 
-    async def timed_claim(self: driver.Driver, limit: int) -> list[Job]:
+    async def timed_claim(self: driver.Driver, limit: int) -> list[dict[str, Any]]:
         sent = time.time()
         rows = await original(self, limit)
         back = time.time()
-        for row in rows:
-            if isinstance(row.payload, dict) and "seq" in row.payload:
-                claims[row.payload["seq"]] = (sent, back)
+        for row in rows:  # the driver hands payloads over as JSON text
+            payload = json.loads(row["payload"])
+            if isinstance(payload, dict) and "seq" in payload:
+                claims[payload["seq"]] = (sent, back)
         return rows
 
     driver.Driver.claim = timed_claim  # type: ignore[method-assign]

@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from . import common
-from .common import Bench
+from .. import common
+from ..common import Bench
 
 WITHOUT = "returning None"
 WITH = "returning a result"

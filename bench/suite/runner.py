@@ -11,8 +11,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from . import common, enqueue, footprint, history, latency, limits, observers, throughput
-from .common import Bench
+from .. import common
+from ..common import Bench
+from . import enqueue, footprint, history, latency, limits, observers, throughput
 from .result_cost import run as result_cost_run
 
 SUITE: dict[str, Callable[[Bench, Callable[[str], None]], dict[str, Any]]] = {

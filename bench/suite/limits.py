@@ -39,8 +39,8 @@ from sqla_jobq import queue_statements as qs
 from sqla_jobq.driver import Compiled
 from sqla_jobq.statements import claim
 
-from . import common
-from .common import Bench
+from .. import common
+from ..common import Bench
 from .throughput import PGBENCH, PGBENCH_SCRIPT
 
 LIMIT = 64

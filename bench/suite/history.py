@@ -22,8 +22,8 @@ from sqla_jobq.driver import Compiled
 from sqla_jobq.schema import jobs_table
 from sqla_jobq.statements import claim, complete_many
 
-from . import common
-from .common import Bench
+from .. import common
+from ..common import Bench
 
 BATCH = 10
 TABLES = ("jobs", "jobs_hist")

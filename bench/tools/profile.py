@@ -1,4 +1,4 @@
-"""Where the worker's CPU goes: `python -m bench.profile [JOBS] [CONCURRENCY] [TASK]`.
+"""Where the worker's CPU goes: `python -m bench.tools.profile [JOBS] [CONCURRENCY] [TASK]`.
 
 Not part of the suite (it needs py-spy: `pip install py-spy`). Fills a scratch
 database with JOBS ready jobs, runs `jobq worker --burst` under `py-spy
@@ -16,7 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from . import common
+from .. import common
 
 RATE = 500
 # Each sample is charged to the innermost frame on its stack that belongs to

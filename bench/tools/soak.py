@@ -1,4 +1,4 @@
-"""`python -m bench.soak`: does the jobs table level off under steady work?
+"""`python -m bench.tools.soak`: does the jobs table level off under steady work?
 
 A queue table takes an insert and three dead row versions per job (claim,
 completion, deletion), so it is the first table to bloat. With pruning on and
@@ -30,7 +30,7 @@ from sqla_jobq import jobs, statements
 from sqla_jobq.db import conninfo
 from tests.support.cluster import throwaway_cluster
 
-from .common import REPO
+from ..common import REPO
 
 
 @dataclass
@@ -152,7 +152,7 @@ def verdict(samples: list[Sample]) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m bench.tools.soak", description=__doc__)
     parser.add_argument("--minutes", type=int, default=20)
     parser.add_argument("--rate", type=int, default=200, help="jobs enqueued per second")
     parser.add_argument("--prune-older-than", default="60s")

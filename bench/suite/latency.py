@@ -39,8 +39,8 @@ import psycopg
 from sqlalchemy import create_engine
 from sqlalchemy.pool import NullPool
 
-from . import common
-from .common import Bench
+from .. import common
+from ..common import Bench
 
 FLOOR_TABLE = "jobs_floor"
 

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import common
-from .common import BackendCPU, Bench
+from .. import common
+from ..common import BackendCPU, Bench
 
 PGBENCH = "/usr/bin/pgbench"
 CLIENTS = 8
@@ -106,7 +106,7 @@ def _pgbench(bench: Bench, tmp: Path) -> list[list[str]]:
 
 def _loop(batch: int) -> Callable[[Bench, Path], list[list[str]]]:
     def commands(bench: Bench, tmp: Path) -> list[list[str]]:
-        return [[sys.executable, "-m", "bench.loop", bench.dsn, str(CLIENTS), str(batch)]]
+        return [[sys.executable, "-m", "bench.suite.loop", bench.dsn, str(CLIENTS), str(batch)]]
 
     return commands
 

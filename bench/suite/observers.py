@@ -21,8 +21,8 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
-from . import common
-from .common import Bench
+from .. import common
+from ..common import Bench
 
 CONCURRENCY = 8
 

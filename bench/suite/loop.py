@@ -1,6 +1,6 @@
 """A minimal hand-written psycopg worker loop: the Python ceiling.
 
-`python -m bench.loop CONNINFO THREADS BATCH` drains the queue with THREADS
+`python -m bench.suite.loop CONNINFO THREADS BATCH` drains the queue with THREADS
 threads, each on its own autocommit connection with server-side prepared
 statements: claim BATCH (the worker's own compiled claim statement), then
 complete the claimed jobs in one fenced statement (the worker's own
@@ -56,7 +56,7 @@ def main(argv: list[str]) -> int:
     for w in workers:
         w.join()
     for exc in errors:
-        print(f"bench.loop: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"bench.suite.loop: {type(exc).__name__}: {exc}", file=sys.stderr)
     return 1 if errors else 0
 
 

@@ -1,0 +1,67 @@
+"""What every benchmark shares, by concern: the scratch database and its jobs
+(`database`), worker subprocesses and /proc readers (`processes`), the
+statistics and the results file (`stats`). Imported as `common.<name>`.
+
+Nothing here is a test: these are measuring scripts. Every figure is taken
+against a baseline measured in the same run, rounds interleaved, because the
+machine is shared and absolute numbers drift.
+"""
+
+from .database import (
+    SERVER_URL,
+    Bench,
+    Outcome,
+    Sizes,
+    create_table,
+    drop_table,
+    fill,
+    outcome,
+    own_backend_pid,
+    require_all_done,
+    scratch_database,
+)
+from .paths import REPO
+from .processes import (
+    CLK_TCK,
+    PAGE,
+    BackendCPU,
+    Finished,
+    backends_of,
+    child_env,
+    jobq_command,
+    proc_cpu,
+    proc_status,
+    run_children,
+    worker_command,
+)
+from .stats import dump_json, median, percentile, ratio
+
+__all__ = [
+    "CLK_TCK",
+    "PAGE",
+    "REPO",
+    "SERVER_URL",
+    "BackendCPU",
+    "Bench",
+    "Finished",
+    "Outcome",
+    "Sizes",
+    "backends_of",
+    "child_env",
+    "create_table",
+    "drop_table",
+    "dump_json",
+    "fill",
+    "jobq_command",
+    "median",
+    "outcome",
+    "own_backend_pid",
+    "percentile",
+    "proc_cpu",
+    "proc_status",
+    "ratio",
+    "require_all_done",
+    "run_children",
+    "scratch_database",
+    "worker_command",
+]

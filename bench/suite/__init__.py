@@ -1,0 +1,1 @@
+"""The benchmark suite: `python -m bench` runs every figure here (see runner.py)."""

@@ -1,0 +1,1 @@
+"""Standalone tools, each run alone: `python -m bench.tools.profile`, `.breakdown`, `.soak`."""
