@@ -14,12 +14,11 @@ import asyncio
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import psycopg
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import Engine, Table
@@ -114,12 +113,6 @@ def lock_rows_at_random(
 
     return run
 
-
-@pytest.fixture
-def side(database_url: str, table: Table, raw: Raw) -> Iterator[Side]:
-    found = Side(database_url, f"{table.name}_side")
-    yield found
-    raw.execute(f'DROP TABLE IF EXISTS "{found.name}"')
 
 
 jobs_strategy = st.lists(

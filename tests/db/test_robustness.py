@@ -12,18 +12,19 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import psycopg
 import pytest
-from psycopg.rows import dict_row
 from sqlalchemy import Engine, Table
 
 from sqla_jobq import Registry, client, current_job, statements
 from sqla_jobq.db import conninfo
 from tests.support.inprocess import Side, burst, running
+from tests.support.rows import enqueue
+from tests.support.rows import job_row as row
 from tests.support.waiting import wait_until
 
 Raw = psycopg.Connection[Any]
@@ -33,27 +34,7 @@ class Oops(BaseException):
     """A custom BaseException: neither Exception nor SystemExit."""
 
 
-@pytest.fixture
-def side(database_url: str, table: Table, raw: Raw) -> Iterator[Side]:
-    found = Side(database_url, f"{table.name}_side")
-    yield found
-    raw.execute(f'DROP TABLE IF EXISTS "{found.name}"')
 
-
-def enqueue(engine: Engine, table: Table, task: str, payload: Any = None, **kw: Any) -> int:
-    with engine.begin() as conn:
-        return client.enqueue(conn, table, task, payload or {}, **kw)
-
-
-def row(raw: Raw, table: Table, job_id: int) -> dict[str, Any]:
-    with raw.cursor(row_factory=dict_row) as cur:
-        found = cur.execute(
-            "SELECT id, status, attempts, max_attempts, last_error, locked_until "
-            f'FROM "{table.name}" WHERE id = %s',
-            (job_id,),
-        ).fetchone()
-    assert found is not None
-    return found
 
 
 def statuses(raw: Raw, table: Table) -> dict[str, int]:
