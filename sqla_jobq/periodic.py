@@ -15,15 +15,22 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta, tzinfo
 from itertools import islice
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 from zoneinfo import ZoneInfo
 
 from cronsim import CronSim, CronSimError
 
 from .job import InvalidJob, encode_payload
 
-if TYPE_CHECKING:
-    from .registry import Task
+
+class Declared(Protocol):
+    """What a schedule needs of its task (a `registry.Task`): its name, for
+    messages, and its payload check."""
+
+    name: str
+
+    def check_payload(self, payload: Any) -> dict[str, Any]: ...
+
 
 # A fire time at most this late is on time, not missed: the worker that
 # enqueues it was busy, or its clock a little behind. `catch_up=0` skips only
@@ -79,7 +86,7 @@ class Plan:
 
 
 def declare(
-    task: Task[Any, Any],
+    task: Declared,
     *,
     cron: str | None,
     every: timedelta | None,
@@ -177,7 +184,7 @@ def _latest(schedule: Schedule, last_fire: datetime, now: datetime) -> datetime 
     return None
 
 
-def _check_cron(task: Task[Any, Any], cron: str, timezone: str | None) -> None:
+def _check_cron(task: Declared, cron: str, timezone: str | None) -> None:
     if not isinstance(cron, str) or len(cron.split()) != 5:
         raise _refused(
             task,
@@ -193,7 +200,7 @@ def _check_cron(task: Task[Any, Any], cron: str, timezone: str | None) -> None:
         raise _refused(task, f"cron string {cron!r} never fires") from None
 
 
-def _zone(task: Task[Any, Any], timezone: str | None) -> tzinfo:
+def _zone(task: Declared, timezone: str | None) -> tzinfo:
     if timezone is None:
         return UTC
     try:
@@ -202,14 +209,14 @@ def _zone(task: Task[Any, Any], timezone: str | None) -> tzinfo:
         raise _refused(task, f"unknown timezone {timezone!r} (use an IANA name)") from None
 
 
-def _check_every(task: Task[Any, Any], every: Any, timezone: str | None) -> None:
+def _check_every(task: Declared, every: Any, timezone: str | None) -> None:
     if not isinstance(every, timedelta) or every <= timedelta(0):
         raise _refused(task, f"every= must be a positive timedelta, got {every!r}")
     if timezone is not None:
         raise _refused(task, "timezone= applies to cron= schedules only")
 
 
-def _checked_payload(task: Task[Any, Any], payload: Mapping[str, Any] | None) -> dict[str, Any]:
+def _checked_payload(task: Declared, payload: Mapping[str, Any] | None) -> dict[str, Any]:
     try:
         kwargs = task.check_payload({} if payload is None else payload)
         encode_payload(kwargs)
@@ -218,7 +225,7 @@ def _checked_payload(task: Task[Any, Any], payload: Mapping[str, Any] | None) ->
     return kwargs
 
 
-def _checked_catch_up(task: Task[Any, Any], catch_up: Any) -> timedelta | None:
+def _checked_catch_up(task: Declared, catch_up: Any) -> timedelta | None:
     if catch_up is None:
         return None
     if isinstance(catch_up, int | float) and not isinstance(catch_up, bool):
@@ -230,7 +237,7 @@ def _checked_catch_up(task: Task[Any, Any], catch_up: Any) -> timedelta | None:
     return catch_up
 
 
-def _refused(task: Task[Any, Any], problem: str) -> InvalidSchedule:
+def _refused(task: Declared, problem: str) -> InvalidSchedule:
     return InvalidSchedule(f"periodic task {task.name!r}: {problem}")
 
 
