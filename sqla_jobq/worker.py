@@ -351,8 +351,10 @@ class Worker:
         try:
             due = await self.claimer.seconds_until_next()
         except psycopg.Error as exc:
+            # Lazy: a connection lost while going to sleep comes back at the
+            # next poll, like any other lost while idle.
             log.warning("could not look up the next scheduled job: %s", exc)
-            return min(poll, RETRY_MAX)
+            return min(poll, RETRY_MAX) if self.options.eager_reconnect else poll
         timeout = poll if due is None else min(poll, due)
         if self.next_fire is not None:
             timeout = min(timeout, max(0.0, (self.next_fire - datetime.now(UTC)).total_seconds()))

@@ -57,6 +57,17 @@ def _worker_sessions(raw: psycopg.Connection[tuple[object, ...]], pid: int) -> d
     return {int(str(p)): s for p, s in rows if isinstance(s, datetime)}
 
 
+def _asleep(raw: psycopg.Connection[tuple[object, ...]], pid: int) -> bool:
+    """The worker's last act before sleeping was its next-`run_at` lookup (it
+    follows the start-up claim), and that session is idle since."""
+    rows = raw.execute(
+        "SELECT 1 FROM pg_stat_activity WHERE application_name LIKE %s "
+        "AND state = 'idle' AND query LIKE %s",
+        (f"jobq worker %:{pid}", "%min(%run_at)%"),
+    ).fetchall()
+    return bool(rows)
+
+
 def _wait_for(condition: Callable[[], bool], timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -111,13 +122,15 @@ def test_lazy_worker_cut_off_while_idle_reconnects_only_at_its_next_poll(
 ) -> None:
     """A suspended serverless compute closes every connection; a lazy worker
     must not wake it by reconnecting, only at its next poll, and then catch up."""
-    _wait_for(lambda: len(_worker_sessions(raw, lazy_worker)) >= 2, 30)
-    time.sleep(2.0)  # past the start-up claim: asleep until the next poll
+    _wait_for(lambda: _asleep(raw, lazy_worker), 30)
+    time.sleep(0.5)
     cut = time.monotonic()
+    killed = set(_worker_sessions(raw, lazy_worker))
     raw.execute(
         "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name LIKE %s",
         (f"jobq worker %:{lazy_worker}",),
     )
+    _wait_for(lambda: not set(_worker_sessions(raw, lazy_worker)) & killed, 10)
     while time.monotonic() - cut < IDLE_WINDOW:
         assert not _worker_sessions(raw, lazy_worker), "the worker reconnected while idle"
         time.sleep(0.5)
