@@ -24,15 +24,13 @@ import psycopg
 from psycopg.rows import dict_row
 from psycopg.types.json import set_json_loads
 from sqlalchemy import ClauseElement, Table
-from sqlalchemy.dialects.postgresql import psycopg as pg_psycopg
 
 from . import queue_statements, statements
-from .db import close_quietly, connect_kwargs, conninfo
+from .db import close_quietly, compiled, connect_kwargs, conninfo
 from .job import error_text
 
 log = logging.getLogger("sqla_jobq.driver")
 
-_DIALECT = pg_psycopg.dialect()  # type: ignore[no-untyped-call]
 
 Key = tuple[int, int]
 Row = dict[str, Any]
@@ -51,11 +49,20 @@ class Compiled:
 
     @classmethod
     def of(cls, stmt: ClauseElement) -> Compiled:
-        compiled = stmt.compile(dialect=_DIALECT)
-        return cls(compiled.string, dict(compiled.params))
+        return cls(*compiled(stmt))
 
     def params(self, **values: Any) -> dict[str, Any]:
         return {**self.defaults, **values}
+
+
+@dataclass(frozen=True)
+class Fates:
+    """Attempts a fenced batch statement skipped or missed, sorted: `busy` are
+    still running and ours (another session holds the row: try again),
+    `cancelled` were cancelled; any other was taken away (reclaimed)."""
+
+    busy: frozenset[Key]
+    cancelled: frozenset[Key]
 
 
 def _pairs(keys: Sequence[Key]) -> dict[str, list[int]]:
@@ -153,10 +160,16 @@ class Driver:
         rows = await self._rows(name, **_pairs(keys), **given)
         return {(r["id"], r["attempts"]) for r in rows}
 
-    async def fates(self, keys: Sequence[Key]) -> dict[Key, str]:
-        """The status of each attempt that is still its row's current one."""
+    async def fates(self, keys: Sequence[Key]) -> Fates:
+        """What became of attempts a fenced batch statement did not match."""
+        if not keys:
+            return Fates(frozenset(), frozenset())
         rows = await self._rows("fates", **_pairs(keys))
-        return {(r["id"], r["attempts"]): r["status"] for r in rows}
+        status = {(r["id"], r["attempts"]): r["status"] for r in rows}
+        return Fates(
+            busy=frozenset(k for k, s in status.items() if s == "running"),
+            cancelled=frozenset(k for k, s in status.items() if s == "cancelled"),
+        )
 
     async def fail(self, key: Key, error: str) -> tuple[str, float] | None:
         """The job's new status and seconds until its retry, or None if not done."""

@@ -50,23 +50,11 @@ class Runner:
     async def run(self, attempt: Attempt) -> Outcome:
         """Run the attempt's handler; never raises for anything the job does."""
         try:
-            task, job = self._prepare(attempt)
+            task, job = prepare(self.registry, attempt)
         except Refused as exc:
             return Outcome(error=str(exc))
         captured = await self._call(attempt, task, job)
         return outcome_of(attempt, captured)
-
-    def _prepare(self, attempt: Attempt) -> tuple[Task[Any, Any], Job]:
-        task = self.registry.get(attempt.task_name)
-        if task is None:
-            raise Refused(
-                f"UnknownTask: task {attempt.task_name!r} is not registered on this worker"
-            )
-        payload = decode_payload(attempt.row["payload"])
-        mismatch = task.mismatch(payload)
-        if mismatch is not None:
-            raise Refused(f"InvalidPayload: {mismatch}")
-        return task, Job.from_row(attempt.row, payload=payload, cancel_event=attempt.cancel_event)
 
     async def _call(self, attempt: Attempt, task: Task[Any, Any], job: Job) -> Captured:
         context = contextvars.copy_context()
@@ -94,18 +82,21 @@ class Runner:
             return functools.partial(self.transactions.run_async, task.table, job, call)
         return functools.partial(self.transactions.run, task.table, job, call)
 
+    def _contexts(self, job: Job, row: dict[str, Any]) -> contextlib.ExitStack:
+        """Every observer's `handler_context`, entered around one handler call."""
+        stack = contextlib.ExitStack()
+        for observer in self.observers:
+            stack.enter_context(observer.handler_context(job, row))
+        return stack
+
     def _observed(self, job: Job, row: dict[str, Any], call: Callable[[], Any]) -> Any:
-        with contextlib.ExitStack() as stack:
-            for observer in self.observers:
-                stack.enter_context(observer.handler_context(job, row))
+        with self._contexts(job, row):
             return call()
 
     async def _observed_async(
         self, job: Job, row: dict[str, Any], call: Callable[[], Any]
     ) -> Any:
-        with contextlib.ExitStack() as stack:
-            for observer in self.observers:
-                stack.enter_context(observer.handler_context(job, row))
+        with self._contexts(job, row):
             return await _invoke(call)
 
 
@@ -128,6 +119,19 @@ async def _on_loop(attempt: Attempt, context: contextvars.Context, work: Any) ->
         raise
     finally:
         attempt.handler = None
+
+
+def prepare(registry: Registry, attempt: Attempt) -> tuple[Task[Any, Any], Job]:
+    """The task and the job to call it with, or `Refused` saying why the
+    attempt fails without a call (the worker and `testing.drain` alike)."""
+    task = registry.get(attempt.task_name)
+    if task is None:
+        raise Refused(f"UnknownTask: task {attempt.task_name!r} is not registered on this worker")
+    payload = decode_payload(attempt.row["payload"])
+    mismatch = task.mismatch(payload)
+    if mismatch is not None:
+        raise Refused(f"InvalidPayload: {mismatch}")
+    return task, Job.from_row(attempt.row, payload=payload, cancel_event=attempt.cancel_event)
 
 
 def decode_payload(raw: Any) -> dict[str, Any]:

@@ -134,16 +134,13 @@ class Finisher:
     async def _sort_out(self, unmatched: list[Attempt], what: str) -> None:
         """A fenced statement matched nothing: busy (locked by someone),
         cancelled, or lost."""
-        if not unmatched:
-            return
         fates = await self.driver.fates([a.key for a in unmatched])
         for attempt in unmatched:
-            fate = fates.get(attempt.key)
-            if fate == "running":
+            if attempt.key in fates.busy:
                 self._busy(attempt)
                 continue
             attempt.lose()
-            if fate == "cancelled":
+            if attempt.key in fates.cancelled:
                 self._settle(attempt, f"cancelled ({what})", "cancelled")
             else:
                 self._settle(attempt, f"lost (no longer ours; {what})", "lost")

@@ -33,12 +33,12 @@ class LeaseKeeper:
         self,
         driver: Driver,
         attempts: Callable[[], Iterable[Attempt]],
-        lost: Callable[[Attempt, str], None],
+        lost: Callable[[Attempt, bool], None],
         tick: float,
     ) -> None:
         self.driver = driver
         self.attempts = attempts
-        self.lost = lost  # (attempt, its row's status now: "cancelled", or "" when gone)
+        self.lost = lost  # (attempt, whether it was cancelled rather than taken away)
         self.tick = tick
         self.poke = asyncio.Event()
         # Called after each extension that reached the database (the worker
@@ -79,14 +79,11 @@ class LeaseKeeper:
             if attempt.key in extended:
                 attempt.extended(sent)
         missed = [a for a in batch if a.key not in extended and not a.state.settled]
-        if not missed:
-            return
         fates = await self.driver.fates([a.key for a in missed])
         for attempt in missed:
-            fate = fates.get(attempt.key, "")
             # Locked by another session right now: try again next tick. A
             # finished attempt's fate is the finisher's to tell (its completion
             # may simply have landed first).
-            if fate == "running" or attempt.state not in _RUNNABLE:
+            if attempt.key in fates.busy or attempt.state not in _RUNNABLE:
                 continue
-            self.lost(attempt, fate)
+            self.lost(attempt, attempt.key in fates.cancelled)

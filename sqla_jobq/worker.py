@@ -570,13 +570,12 @@ class Worker:
             queue = attempt.row["queue"]
             _quietly(observer.settled, queue, attempt.task_name, kind or outcome, took)
 
-    def _lost(self, attempt: Attempt, fate: str = "") -> None:
+    def _lost(self, attempt: Attempt, cancelled: bool = False) -> None:
         """The attempt's row is not ours any more: stop it, touch nothing. A
         cancelled job is stopped the same way; only the words differ."""
         was = attempt.state
         attempt.lose()
         self.attempts.pop(attempt.key, None)
-        cancelled = fate == "cancelled"
         if cancelled:
             log.info("%s: cancelled; stopping it", attempt.describe())
         else:
@@ -599,7 +598,7 @@ class Worker:
             try:
                 done = await self.claimer.hand_back([a.key for a in remaining], refund=refund)
                 missed = [a for a in remaining if a.key not in done]
-                fates = await self.claimer.fates([a.key for a in missed]) if missed else {}
+                fates = await self.claimer.fates([a.key for a in missed])
             except psycopg.Error as exc:
                 log.warning("could not hand back %d jobs (%s); retrying", len(remaining), exc)
                 await asyncio.sleep(delay)
@@ -611,10 +610,9 @@ class Worker:
                     attempt.handed_back()
                     self.attempts.pop(attempt.key, None)
                     back.append(attempt)
-                elif fates.get(attempt.key) != "running" and not attempt.state.settled:
-                    self._lost(attempt, fates.get(attempt.key, ""))
-            busy = {k for k, fate in fates.items() if fate == "running"}
-            remaining = [a for a in missed if a.key in busy and not a.state.settled]
+                elif attempt.key not in fates.busy and not attempt.state.settled:
+                    self._lost(attempt, attempt.key in fates.cancelled)
+            remaining = [a for a in missed if a.key in fates.busy and not a.state.settled]
             if remaining:
                 await asyncio.sleep(delay)
                 remaining = self._still_valid(remaining)
