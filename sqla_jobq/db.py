@@ -10,6 +10,8 @@ import socket
 from typing import Any
 
 import psycopg
+from sqlalchemy import ClauseElement
+from sqlalchemy.dialects.postgresql import psycopg as pg_psycopg
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError
 
@@ -93,3 +95,16 @@ def connect_kwargs(prepared: bool) -> dict[str, Any]:
         "keepalives_interval": 10,
         "keepalives_count": 3,
     }
+
+
+_DIALECT = pg_psycopg.dialect()  # type: ignore[no-untyped-call]
+
+# A statement as psycopg takes it: SQL text and its parameters.
+Query = tuple[str, dict[str, Any]]
+
+
+def compiled(stmt: ClauseElement) -> Query:
+    """Compile a Core statement once for raw psycopg connections (the worker's,
+    the scheduler's, the worker registry's): no per-call compilation cost."""
+    done = stmt.compile(dialect=_DIALECT)
+    return done.string, dict(done.params)

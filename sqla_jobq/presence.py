@@ -31,7 +31,6 @@ from typing import Any
 import psycopg
 from sqlalchemy import (
     BigInteger,
-    ClauseElement,
     ColumnElement,
     Delete,
     Interval,
@@ -47,13 +46,12 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.dialects.postgresql import Insert as PgInsert
 from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.dialects.postgresql import psycopg as pg_psycopg
 
+from .db import Query, compiled
 from .schema import workers_table
 
 log = logging.getLogger("sqla_jobq.presence")
 
-_DIALECT = pg_psycopg.dialect()  # type: ignore[no-untyped-call]
 
 BEAT_EVERY = timedelta(seconds=10)
 STALE_MARGIN = timedelta(seconds=30)
@@ -178,14 +176,6 @@ def listing(table: Table) -> Select[Any]:
     ).order_by(stale, w.c.host, w.c.pid, w.c.id)
 
 
-Query = tuple[str, dict[str, Any]]
-
-
-def _compiled(stmt: ClauseElement) -> Query:
-    done = stmt.compile(dialect=_DIALECT)
-    return done.string, dict(done.params)
-
-
 class Presence:
     """One worker's row, written on a connection the worker already uses.
 
@@ -204,9 +194,9 @@ class Presence:
         self.info = info
         self._clock = clock
         self._last = float("-inf")
-        self._register = _compiled(register(table, info))
-        self._beat = _compiled(beat(table, info, 0))
-        self._leave = _compiled(leave(table, info.id))
+        self._register = compiled(register(table, info))
+        self._beat = compiled(beat(table, info, 0))
+        self._leave = compiled(leave(table, info.id))
 
     async def register(self, conn: psycopg.AsyncConnection[Any]) -> bool:
         """At start: write the row."""

@@ -22,28 +22,19 @@ from typing import Any
 
 import psycopg
 from psycopg.rows import tuple_row
-from sqlalchemy import ClauseElement
-from sqlalchemy.dialects.postgresql import psycopg as pg_psycopg
 
 from . import periodic, schedule_statements
+from .db import Query, compiled
 from .registry import Registry
 
 log = logging.getLogger("sqla_jobq.scheduler")
 
-_DIALECT = pg_psycopg.dialect()  # type: ignore[no-untyped-call]
 # A schedule row another worker created after our load's snapshot is missing
 # from its result; the next load sees it.
 LOAD_ATTEMPTS = 3
 
-Query = tuple[str, dict[str, Any]]
 Rows = list[tuple[Any, ...]]
 Steps = Generator[Query, Rows, datetime | None]
-
-
-def compiled(stmt: ClauseElement) -> Query:
-    """A statement as psycopg takes it: SQL text and its parameters."""
-    done = stmt.compile(dialect=_DIALECT)
-    return done.string, dict(done.params)
 
 
 class Scheduler:

@@ -921,7 +921,8 @@ def _finished_batch(
     bad = [s for s in statuses if s not in FINISHED_STATUSES]
     if bad or not statuses:
         raise InvalidJob(
-            f"prune and archive take only finished jobs (done, failed), not {bad or 'nothing'}"
+            f"prune and archive take only finished jobs ({', '.join(FINISHED_STATUSES)}), "
+            f"not {bad or 'nothing'}"
         )
     if older_than < timedelta(0):
         raise InvalidJob(f"older_than must not be negative, got {older_than}")

@@ -19,9 +19,8 @@ from typing import Any
 from sqlalchemy import Row, Table, Update
 from sqlalchemy.sql.dml import ReturningUpdate
 
-from .. import statements
+from .. import execute, statements
 from ..attempt import Attempt, Outcome
-from ..execute import Refused, decode_payload
 from ..job import InvalidJob, Job, set_current_job
 from ..registry import Registry, Task
 from ..statements import DEFAULT_LEASE, Queues
@@ -75,17 +74,10 @@ def attempt_of(row: Mapping[Any, Any]) -> Attempt:
 def prepare(registry: Registry, attempt: Attempt) -> tuple[Task[Any, Any], Job] | Outcome:
     """The task and job to call, or the failure to record without calling
     anything, as the worker decides it."""
-    task = registry.get(attempt.task_name)
-    if task is None:
-        return Outcome(error=f"UnknownTask: task {attempt.task_name!r} is not registered")
     try:
-        payload = decode_payload(attempt.row["payload"])
-    except Refused as exc:
+        return execute.prepare(registry, attempt)
+    except execute.Refused as exc:
         return Outcome(error=str(exc))
-    mismatch = task.mismatch(payload)
-    if mismatch is not None:
-        return Outcome(error=f"InvalidPayload: {mismatch}")
-    return task, Job.from_row(attempt.row, payload=payload)
 
 
 def bound(

@@ -21,7 +21,7 @@ import pytest
 from sqlalchemy import Engine, Table
 
 from sqla_jobq import presence
-from sqla_jobq.db import conninfo
+from sqla_jobq.db import compiled, conninfo
 from sqla_jobq.presence import BEAT_EVERY, FORGET_AFTER, STALE_MARGIN, Presence, WorkerInfo
 
 Raw = psycopg.Connection[Any]
@@ -137,7 +137,7 @@ def test_beat_brings_back_a_row_that_was_deleted(
 
     async def steps(conn: Conn) -> None:
         await Presence(table, me).register(conn)
-        await conn.execute(*presence._compiled(presence.leave(table, me.id)))
+        await conn.execute(*compiled(presence.leave(table, me.id)))
         await Presence(table, me).beat(conn, 3)
 
     run(database_url, steps)
