@@ -108,6 +108,7 @@ __all__ = [
     "retry",
     "retry_many",
     "stats",
+    "status_in",
     "status_is",
     "unique_key_holder",
 ]
@@ -127,6 +128,11 @@ Queues = str | Sequence[str]
 def status_is(column: ColumnElement[Any], status: str) -> ColumnElement[bool]:
     """`status = 'literal'`, inline so partial indexes stay usable when prepared."""
     return column == _status_literal(status)
+
+
+def status_in(column: ColumnElement[Any], statuses: Sequence[str]) -> ColumnElement[bool]:
+    """`status IN ('literal', ...)`, inline for the same reason as `status_is`."""
+    return column.in_([_status_literal(s) for s in statuses])
 
 
 def _status_literal(status: str) -> ColumnElement[str]:
@@ -194,7 +200,7 @@ def enqueue(
         .cte("inserted")
     )
     existing = select(c.id).where(
-        c.unique_key == unique_key, c.status.in_([_status_literal(s) for s in ACTIVE_STATUSES])
+        c.unique_key == unique_key, status_in(c.status, ACTIVE_STATUSES)
     )
     return select(inserted.c.id).union_all(existing).limit(1)
 
@@ -745,7 +751,7 @@ RETRYABLE_STATUSES = ("failed", "cancelled")
 
 
 def _retryable(table: Table) -> ColumnElement[bool]:
-    return table.c.status.in_([_status_literal(s) for s in RETRYABLE_STATUSES])
+    return status_in(table.c.status, RETRYABLE_STATUSES)
 
 
 def retry(table: Table, id: int) -> Update:
@@ -819,7 +825,7 @@ def cancel(table: Table, id: int) -> Update:
         update(table)
         .where(
             c.id == bindparam("id", id, type_=BigInteger),
-            c.status.in_([_status_literal(s) for s in ACTIVE_STATUSES]),
+            status_in(c.status, ACTIVE_STATUSES),
         )
         .values(
             status=_status_literal("cancelled"),
@@ -845,7 +851,7 @@ def mark_awaited(table: Table, id: int) -> Update:
         select(c.id)
         .where(
             c.id == bindparam("id", id, type_=BigInteger),
-            c.status.in_([_status_literal(s) for s in ACTIVE_STATUSES]),
+            status_in(c.status, ACTIVE_STATUSES),
         )
         .with_for_update(skip_locked=True)
         .cte("active")
@@ -930,7 +936,7 @@ def _finished_batch(
         raise InvalidJob(f"limit must be at least 1, got {limit}")
     c = table.c
     old_finished = and_(
-        c.status.in_([_status_literal(s) for s in statuses]),
+        status_in(c.status, statuses),
         func.coalesce(c.finished_at, c.created_at)
         < func.now() - bindparam("older_than", older_than, type_=Interval),
     )
