@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
+
+from .job import CancelSignal
 
 Key = tuple[int, int]
 
@@ -72,6 +73,8 @@ class Cancel(enum.Enum):
 @dataclass(eq=False)
 class Attempt:
     row: dict[str, Any] = field(repr=False)
+    # `(id, attempts)`, read from the row once: it is looked up many times per job.
+    key: Key
     lease: timedelta
     claimed_at: float
     # The local clock's view of the lease: when it was last extended (or
@@ -84,7 +87,7 @@ class Attempt:
     cancelled: Cancel | None = None
     handler: asyncio.Task[Any] | None = field(default=None, repr=False)
     # Shared with the handler's `current_job()`, so a sync handler sees a cancel.
-    cancel_event: threading.Event = field(default_factory=threading.Event, repr=False)
+    cancel_event: CancelSignal = field(default_factory=CancelSignal, repr=False)
 
     @classmethod
     def claimed(cls, row: dict[str, Any], lease: timedelta, claim_lease: timedelta) -> Attempt:
@@ -93,11 +96,8 @@ class Attempt:
         # not its own: date the last extension back so the first heartbeat is
         # due a third of the way into the claim lease, not into the task's.
         head_start = (lease - claim_lease).total_seconds() / 3
-        return cls(row, lease, now, now - head_start, now + claim_lease.total_seconds())
-
-    @property
-    def key(self) -> Key:
-        return (self.row["id"], self.row["attempts"])
+        key = (row["id"], row["attempts"])
+        return cls(row, key, lease, now, now - head_start, now + claim_lease.total_seconds())
 
     @property
     def task_name(self) -> str | None:

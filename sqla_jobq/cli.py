@@ -543,6 +543,7 @@ def worker(
     import os
     import threading
 
+    from . import logs
     from .instrument import worker_observers
     from .loader import load_registry
     from .worker import Worker, WorkerOptions
@@ -550,7 +551,7 @@ def worker(
     level = logging.getLevelName(log_level.upper())
     if not isinstance(level, int):
         raise UsageError(f"unknown --log-level {log_level!r}: use DEBUG, INFO, WARNING or ERROR")
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.configure(level)
     try:
         options = WorkerOptions(
             database_url=require_url(database_url),

@@ -62,8 +62,9 @@ class Runner:
         call = self._callable(task, job)
         if task.is_async:
             return await _on_loop(attempt, context, self._observed_async(job, attempt.row, call))
-        observed = functools.partial(self._observed, job, attempt.row, call)
-        captured = await self.threads.run(functools.partial(context.run, observed))
+        if self.observers:
+            call = functools.partial(self._observed, job, attempt.row, call)
+        captured = await self.threads.run(functools.partial(context.run, call))
         if captured.error is None and inspect.isawaitable(captured.value):
             # A plain function that returned an awaitable (a decorator around
             # an `async def` hides it from iscoroutinefunction): the work is

@@ -39,6 +39,42 @@ class LeaseLost(Exception):
     """The job's fenced completion matched no row: it is someone else's now."""
 
 
+class CancelSignal:
+    """`threading.Event`'s set, is_set and wait, for one job's cancellation.
+
+    Every claimed job gets one, and almost none is ever waited on: a real
+    Event builds a Condition and a lock per job, several microseconds of the
+    worker's hot path, so this one makes its Event only when someone waits.
+    A flag set before the Event exists is seen by the waiter, which checks it
+    again after making the Event.
+    """
+
+    __slots__ = ("_event", "_flag")
+    _making = threading.Lock()
+
+    def __init__(self) -> None:
+        self._flag = False
+        self._event: threading.Event | None = None
+
+    def set(self) -> None:
+        self._flag = True
+        if self._event is not None:
+            self._event.set()
+
+    def is_set(self) -> bool:
+        return self._flag
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if self._flag:
+            return True
+        with self._making:
+            if self._event is None:
+                self._event = threading.Event()
+        if self._flag:
+            self._event.set()
+        return self._event.wait(timeout)
+
+
 @dataclass(frozen=True)
 class Job:
     """A claimed job: what the worker runs, and what `current_job()` returns."""
@@ -53,9 +89,7 @@ class Job:
     scheduled_for: datetime | None = None
     # Set by the worker when the job is cancelled while it runs (shared with
     # the handler's thread, so a plain function can look at it between steps).
-    cancel_event: threading.Event = field(
-        default_factory=threading.Event, repr=False, compare=False
-    )
+    cancel_event: CancelSignal = field(default_factory=CancelSignal, repr=False, compare=False)
 
     @property
     def cancel_requested(self) -> bool:
@@ -81,7 +115,7 @@ class Job:
         cls,
         row: Mapping[str, Any],
         payload: Any = None,
-        cancel_event: threading.Event | None = None,
+        cancel_event: CancelSignal | None = None,
     ) -> Job:
         """A job from a claimed row; `payload` replaces the row's when given
         (the worker decodes it itself, inside the attempt's error boundary)."""
@@ -93,7 +127,7 @@ class Job:
             attempts=row["attempts"],
             max_attempts=row["max_attempts"],
             scheduled_for=row.get("scheduled_for"),
-            cancel_event=cancel_event or threading.Event(),
+            cancel_event=cancel_event or CancelSignal(),
         )
 
 

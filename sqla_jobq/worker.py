@@ -42,6 +42,7 @@ from .db import RETRY_MAX, RETRY_START, sqlalchemy_url
 from .driver import Driver
 from .execute import Runner, timed_out
 from .finisher import Finisher
+from .joblog import JobLog
 from .leases import LeaseKeeper
 from .migrations.check import check_schema
 from .notify import Listener
@@ -166,6 +167,7 @@ class Worker:
         self.last_prune = float("-inf")
         self.job_tasks: set[asyncio.Task[None]] = set()
         self.processed = 0
+        self.job_log = JobLog()
 
     def _driver(self) -> Driver:
         o = self.options
@@ -214,6 +216,7 @@ class Worker:
                 await self._teardown(helpers)
                 for sig in signals:
                     loop.remove_signal_handler(sig)
+        self.job_log.flush()
         log.info("worker stopped after %d jobs", self.processed)
         return 0
 
@@ -565,7 +568,7 @@ class Worker:
         self.processed += 1
         started = attempt.started_at or attempt.claimed_at
         took = time.monotonic() - started
-        log.info("%s duration=%.1fms outcome=%s", attempt.describe(), took * 1000, outcome)
+        self.job_log.add(attempt.describe(), took, outcome)
         for observer in self.observers:
             queue = attempt.row["queue"]
             _quietly(observer.settled, queue, attempt.task_name, kind or outcome, took)

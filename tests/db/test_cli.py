@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import uuid
 from collections.abc import Callable, Iterator
@@ -22,6 +23,7 @@ from sqlalchemy import Engine, MetaData, Table, text
 
 from sqla_jobq import client, statements
 from sqla_jobq.db import conninfo
+from sqla_jobq.job import NewJob
 from sqla_jobq.migrations import check_schema
 from sqla_jobq.schema import Names, jobs_table
 from tests.support import APP_DIR
@@ -488,3 +490,36 @@ def test_worker_burst_runs_the_ready_jobs_and_exits_0(
     assert "worker started" in result.stderr
     assert "worker stopped after 1 jobs" in result.stderr
     assert (job(raw, table, job_id)["status"], ran) == ("done", [(job_id,)])
+
+
+def test_worker_at_info_writes_one_prefixed_line_per_finished_job_and_warnings_at_once(
+    jobq: Jobq, engine: Engine, raw: Raw, table: Table
+) -> None:
+    """Lines are batched per turn of the worker's loop and written together,
+    but each finished job still gets its own complete line, in order, and a
+    failing job's WARNING/ERROR lines are not held back behind the batch."""
+    side = f"{table.name}_side"
+    raw.execute(SIDE_DDL.format(side=f'"{side}"'))
+    with engine.begin() as conn:
+        ids = client.enqueue_many(
+            conn, table, [NewJob("typed", {"a": i, "b": "x"}) for i in range(300)]
+        )
+        failing = client.enqueue(conn, table, "boom", {"message": "bad"}, max_attempts=1)
+    try:
+        result = jobq(
+            *("worker", "workerapp:registry", "--burst", "-c", "8", "--log-level", "INFO"),
+            env={"JOBQ_TEST_SIDE": side},
+        )
+    finally:
+        raw.execute(f'DROP TABLE "{side}"')
+    assert result.returncode == 0, result.stderr
+    lines = result.stderr.splitlines()
+    finished = [line for line in lines if " duration=" in line]
+    assert len(finished) == 301
+    prefix = r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO sqla_jobq\.worker: job (\d+) "
+    pattern = re.compile(prefix + r"task=\w+ attempt=1 duration=[\d.]+ms outcome=")
+    matched = [pattern.match(line) for line in finished]
+    assert all(matched), [line for line, m in zip(finished, matched, strict=True) if not m][:3]
+    assert sorted(int(m.group(1)) for m in matched if m) == sorted([*ids, failing])
+    assert any(f"job {failing} " in line and "ERROR" in line for line in lines)
+    assert lines[-1].endswith("worker stopped after 301 jobs")

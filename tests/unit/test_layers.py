@@ -10,7 +10,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "sqla_jobq"
 
 # Top-level modules and subpackages of sqla_jobq, lowest layer first.
 LAYERS: list[tuple[str, set[str]]] = [
-    ("base", {"schema", "db"}),
+    ("base", {"schema", "db", "logs"}),
     ("values", {"job", "traceparent"}),
     (
         "builders",
@@ -25,6 +25,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "execute",
             "capture",
             "finisher",
+            "joblog",
             "leases",
             "threads",
             "transactions",
