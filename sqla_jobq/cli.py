@@ -512,6 +512,14 @@ def worker(
             show_default=False,
         ),
     ] = None,
+    vacuum_dead_tuples: Annotated[
+        int,
+        typer.Option(
+            envvar="JOBQ_VACUUM_DEAD_TUPLES",
+            help="VACUUM the queue table (in the background, SKIP_LOCKED) once it has "
+            "this many dead tuples; needs the table's owner; 0: leave it to autovacuum.",
+        ),
+    ] = 20_000,
     log_level: Annotated[
         str, typer.Option(envvar="JOBQ_LOG_LEVEL", help="DEBUG, INFO, WARNING.")
     ] = "INFO",
@@ -567,6 +575,7 @@ def worker(
             prune_interval=prune_interval,
             prefetch=prefetch,
             reconnect=reconnect,
+            vacuum_dead_tuples=vacuum_dead_tuples,
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None

@@ -53,6 +53,7 @@ from .scheduler import Scheduler
 from .statements import DEFAULT_LEASE, REAP_BATCH
 from .threads import HandlerThreads
 from .transactions import Transactions
+from .vacuuming import Vacuumer
 
 log = logging.getLogger("sqla_jobq.worker")
 
@@ -75,6 +76,9 @@ EMPTY_BACKOFF_START = 0.05
 EMPTY_BACKOFF_MAX = 1.0
 # `--reconnect` defaults to lazy for polls at least this long (serverless).
 LAZY_RECONNECT_POLL = 60.0
+# Two to three seconds of dead tuples at full speed on a small machine (two
+# per job); autovacuum's own threshold on the table is 5,000 (schema step 6).
+DEFAULT_VACUUM_DEAD_TUPLES = 20_000
 
 
 @dataclass(frozen=True)
@@ -98,12 +102,18 @@ class WorkerOptions:
     prefetch: int = DEFAULT_PREFETCH
     # "eager", "lazy", or None for the default (see LAZY_RECONNECT_POLL).
     reconnect: str | None = None
+    # VACUUM the queue table once it has this many dead tuples (see
+    # `vacuuming`); 0 leaves it to autovacuum alone.
+    vacuum_dead_tuples: int = DEFAULT_VACUUM_DEAD_TUPLES
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, got {self.concurrency}")
         if self.prefetch < 0:
             raise ValueError(f"prefetch must not be negative, got {self.prefetch}")
+        if self.vacuum_dead_tuples < 0:
+            given = self.vacuum_dead_tuples
+            raise ValueError(f"vacuum-dead-tuples must not be negative, got {given}")
         for what in ("poll_interval", "shutdown_timeout", "reap_interval", "prune_interval"):
             if getattr(self, what) < 0:
                 raise ValueError(f"{what.replace('_', '-')} must not be negative")
@@ -168,6 +178,10 @@ class Worker:
         self.job_tasks: set[asyncio.Task[None]] = set()
         self.processed = 0
         self.job_log = JobLog()
+        self.vacuumer = Vacuumer(
+            options.database_url, registry.table, options.vacuum_dead_tuples, options.prepared
+        )
+        self.vacuum_seen = 0  # `processed` at the last look at the dead tuples
 
     def _driver(self) -> Driver:
         o = self.options
@@ -390,7 +404,7 @@ class Worker:
         self.event.clear()
 
     async def _maintain(self) -> None:
-        """Reap and prune when due, piggybacked on claims.
+        """Reap, prune and look at the dead tuples when due, piggybacked on claims.
 
         Riding on the claim loop means an idle worker runs them only when it
         wakes anyway, so maintenance never keeps a serverless compute awake.
@@ -406,6 +420,9 @@ class Worker:
         if older_than is not None and now - self.last_prune >= self.options.prune_interval:
             self.last_prune = now
             await self._prune(older_than)
+        if self.processed != self.vacuum_seen and self.vacuumer.due(now):
+            self.vacuum_seen = self.processed
+            await self.vacuumer.check(await self.claimer.connection())
 
     def _fire_due(self) -> bool:
         return self.next_fire is None or self.next_fire <= datetime.now(UTC)
@@ -655,6 +672,7 @@ class Worker:
             await asyncio.wait(set(self.job_tasks), timeout=timeout)
 
     async def _teardown(self, helpers: list[asyncio.Task[None]]) -> None:
+        await self.vacuumer.stop()
         for task in [*helpers, *self.job_tasks]:
             task.cancel()
         await asyncio.gather(*helpers, *self.job_tasks, return_exceptions=True)

@@ -14,7 +14,14 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("values", {"job", "traceparent"}),
     (
         "builders",
-        {"statements", "queue_statements", "schedule_statements", "presence", "migrations"},
+        {
+            "statements",
+            "queue_statements",
+            "schedule_statements",
+            "vacuum_statements",
+            "presence",
+            "migrations",
+        },
     ),
     ("execution", {"client", "registry", "periodic", "driver", "notify", "waiting", "errors"}),
     (
@@ -26,6 +33,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "capture",
             "finisher",
             "joblog",
+            "vacuuming",
             "leases",
             "threads",
             "transactions",

@@ -1,0 +1,173 @@
+"""A busy worker vacuums its queue table once dead tuples pile up, never waits
+on another vacuum, and leaves the table alone when its role may not vacuum it.
+
+The shared test server runs with autovacuum off, so every vacuum these tests
+see is the worker's own."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg.rows import dict_row
+from sqlalchemy import Engine, Table
+from sqlalchemy.engine import make_url
+
+from sqla_jobq import Registry, client
+from sqla_jobq.db import conninfo
+from sqla_jobq.job import NewJob
+from sqla_jobq.vacuuming import BACKOFF_START, Vacuumer
+from tests.support.faultqueue import drop_role
+from tests.support.inprocess import running
+from tests.support.waiting import wait_until
+
+Raw = psycopg.Connection[Any]
+
+
+def noop_registry(table: Table) -> Registry:
+    registry = Registry(table)
+
+    @registry.task(name="noop")
+    def noop() -> None:
+        return None
+
+    return registry
+
+
+def enqueue(engine: Engine, table: Table, count: int) -> None:
+    with engine.begin() as conn:
+        client.enqueue_many(conn, table, [NewJob("noop") for _ in range(count)])
+
+
+def vacuums(raw: Raw, table: Table) -> int:
+    row = raw.execute(
+        "SELECT vacuum_count FROM pg_stat_user_tables WHERE relid = %s::regclass", (table.name,)
+    ).fetchone()
+    return int(row[0]) if row else 0
+
+
+def done(raw: Raw, table: Table) -> int:
+    row = raw.execute(f"SELECT count(*) FROM \"{table.name}\" WHERE status = 'done'").fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def test_busy_worker_vacuums_the_queue_table_past_the_threshold(
+    database_url: str, engine: Engine, raw: Raw, table: Table, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="sqla_jobq.vacuum")
+    registry = noop_registry(table)
+    enqueue(engine, table, 3000)  # two dead versions per job: 6,000
+    with running(registry, database_url, vacuum_dead_tuples=2000, poll_interval=0.2):
+        wait_until(lambda: done(raw, table) == 3000, 60, "all jobs done")
+        wait_until(lambda: vacuums(raw, table) >= 1, 30, "a vacuum")
+    dead = raw.execute(
+        "SELECT n_dead_tup FROM pg_stat_user_tables WHERE relid = %s::regclass", (table.name,)
+    ).fetchone()
+    assert dead is not None and dead[0] < 6000  # 6,000 had nothing vacuumed
+    assert any(" -> 0" in r.getMessage() for r in caplog.records if "vacuumed" in r.getMessage())
+
+
+def test_worker_below_the_threshold_or_with_vacuuming_off_never_vacuums(
+    database_url: str, engine: Engine, raw: Raw, table: Table
+) -> None:
+    registry = noop_registry(table)
+    enqueue(engine, table, 1500)
+    with running(registry, database_url, vacuum_dead_tuples=0, poll_interval=0.2):
+        wait_until(lambda: done(raw, table) == 1500, 60, "1500 jobs done")
+        time.sleep(2.5)  # past a look at the count, had vacuuming been on
+    enqueue(engine, table, 500)
+    with running(registry, database_url, vacuum_dead_tuples=100_000, poll_interval=0.2):
+        wait_until(lambda: done(raw, table) == 2000, 60, "2000 jobs done")
+        time.sleep(2.5)
+    assert vacuums(raw, table) == 0
+
+
+def test_vacuum_never_waits_behind_another_session_holding_the_table(
+    database_url: str,
+    engine: Engine,
+    raw: Raw,
+    table: Table,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Another session holds the lock VACUUM needs (as a manual VACUUM or
+    autovacuum would): the worker's SKIP_LOCKED vacuum gives up at once, the
+    worker keeps claiming and completing, and vacuums once the lock is gone."""
+    caplog.set_level(logging.DEBUG, logger="sqla_jobq.vacuum")
+    registry = noop_registry(table)
+    enqueue(engine, table, 2000)
+    with psycopg.connect(conninfo(database_url)) as holder:
+        holder.execute(f'LOCK TABLE "{table.name}" IN SHARE UPDATE EXCLUSIVE MODE')
+        with running(registry, database_url, vacuum_dead_tuples=1000, poll_interval=0.2):
+            wait_until(lambda: done(raw, table) == 2000, 60, "2000 jobs done")
+            wait_until(
+                lambda: any("skipped" in r.getMessage() for r in caplog.records),
+                30,
+                "a skipped vacuum",
+            )
+            enqueue(engine, table, 1000)  # still claimed and completed meanwhile
+            wait_until(lambda: done(raw, table) == 3000, 60, "3000 jobs done")
+            assert vacuums(raw, table) == 0
+            holder.rollback()
+            enqueue(engine, table, 10)
+            wait_until(lambda: vacuums(raw, table) >= 1, 30, "a vacuum")
+
+
+@pytest.fixture
+def role_url(database_url: str, raw: Raw, table: Table) -> Iterator[str]:
+    """A login role with DML on the queue table: it may work the queue, not vacuum it."""
+    role = f"jobq_novac_{uuid.uuid4().hex[:8]}"
+    raw.execute(f"CREATE ROLE {role} LOGIN".encode())
+    raw.execute(f'GRANT SELECT, INSERT, UPDATE, DELETE ON "{table.name}" TO {role}'.encode())
+    yield make_url(database_url).set(username=role).render_as_string(hide_password=False)
+    drop_role(raw, role, owned=True)
+
+
+def test_a_role_that_may_not_vacuum_is_told_once_and_stops_trying(
+    role_url: str, table: Table, engine: Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="sqla_jobq.vacuum")
+    enqueue(engine, table, 10)
+    with engine.begin() as conn:
+        conn.exec_driver_sql(f'DELETE FROM "{table.name}"')
+
+    async def look() -> Vacuumer:
+        vacuumer = Vacuumer(role_url, table, threshold=1, prepared=True)
+        async with await psycopg.AsyncConnection.connect(
+            conninfo(role_url), autocommit=True, row_factory=dict_row
+        ) as conn:
+            deadline = time.monotonic() + 15
+            while vacuumer.running is None and time.monotonic() < deadline:
+                vacuumer.last_check = float("-inf")
+                await vacuumer.check(conn)  # statistics may lag by a second
+                await asyncio.sleep(0.2)
+            assert vacuumer.running is not None, "the dead tuples never showed"
+            await vacuumer.running
+        return vacuumer
+
+    vacuumer = asyncio.run(look())
+    assert vacuumer.refused and not vacuumer.enabled
+    assert not vacuumer.due(time.monotonic() + 3600)
+    told = [r.getMessage() for r in caplog.records if "not vacuuming" in r.getMessage()]
+    assert len(told) == 1 and "autovacuum" in told[0]
+
+
+def test_a_vacuum_that_removes_little_makes_the_next_wait_longer(table: Table) -> None:
+    """A held snapshot keeps dead tuples VACUUM must leave: vacuuming again
+    every two seconds would scan the same pages for nothing."""
+    vacuumer = Vacuumer("postgresql://unused/db", table, threshold=100, prepared=True)
+    started = time.monotonic()
+    waits = []
+    for _ in range(3):
+        vacuumer._judge(before=10_000, after=9_000, notices=[], started=started)
+        waits.append(vacuumer.backoff)
+    assert waits == [BACKOFF_START, BACKOFF_START * 2, BACKOFF_START * 4]
+    assert vacuumer.not_before > time.monotonic()
+    vacuumer._judge(before=10_000, after=100, notices=[], started=started)
+    assert vacuumer.backoff == 0.0
