@@ -82,6 +82,9 @@ class Driver:
         none: list[Key] = []
         self.sql = {
             "claim": Compiled.of(statements.claim(table, queue=queue, lease=lease)),
+            "next_run_at_future": Compiled.of(
+                statements.next_run_at(table, queue=queue, future_only=True)
+            ),
             "complete": Compiled.of(statements.complete_many(table, none)),
             "complete_results": Compiled.of(statements.complete_many(table, none, [])),
             "complete_skipping": Compiled.of(
@@ -100,6 +103,9 @@ class Driver:
             "prune": Compiled.of(statements.prune(table, older_than=timedelta(0))),
             "limited": Compiled.of(queue_statements.limited(table, list(queues))),
         }
+        if isinstance(queue, str):
+            after = statements.claim(table, queue=queue, lease=lease, after=True)
+            self.sql["claim_after"] = Compiled.of(after)
 
     @property
     def connected(self) -> bool:
@@ -139,9 +145,19 @@ class Driver:
         conn, self._conn = self._conn, None
         await close_quietly(conn, log)
 
-    async def claim(self, limit: int) -> list[Row]:
-        """Claimed rows, payload still as JSON text (see `_raw_json`)."""
-        return await self._rows("claim", limit=limit)
+    async def claim(self, limit: int, after: statements.Position | None = None) -> list[Row]:
+        """Claimed rows, payload still as JSON text (see `_raw_json`); past
+        `after` in claim order if given (see `claim_cursor`)."""
+        if after is None:
+            return await self._rows("claim", limit=limit)
+        priority, run_at, job_id = after
+        return await self._rows(
+            "claim_after",
+            limit=limit,
+            after_priority=priority,
+            after_run_at=run_at,
+            after_id=job_id,
+        )
 
     async def complete_many(
         self,
@@ -206,9 +222,10 @@ class Driver:
         """Whether any of the worker's queues has a concurrency limit now."""
         return bool(await self._rows("limited"))
 
-    async def seconds_until_next(self) -> float | None:
-        """Seconds until the earliest queued job is due (server clock), or None."""
-        rows = await self._rows("next_run_at")
+    async def seconds_until_next(self, future_only: bool = False) -> float | None:
+        """Seconds until the earliest queued job is due (server clock), or None;
+        `future_only` looks only past now (see `statements.next_run_at`)."""
+        rows = await self._rows("next_run_at_future" if future_only else "next_run_at")
         if not rows:
             return None
         due, now = rows[0].values()

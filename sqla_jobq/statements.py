@@ -55,6 +55,7 @@ from sqlalchemy import (
     select,
     text,
     true,
+    tuple_,
     union_all,
     update,
 )
@@ -82,6 +83,7 @@ __all__ = [
     "MAX_KEY_BYTES",
     "InvalidJob",
     "NewJob",
+    "Position",
     "Queues",
     "archive",
     "cancel",
@@ -114,6 +116,8 @@ __all__ = [
 ]
 
 DEFAULT_LEASE = timedelta(minutes=5)
+# A job's place in claim order, (priority, run_at, id): where `claim(after=True)` starts.
+Position = tuple[int, datetime, int]
 BACKOFF_BASE = "interval '10 seconds'"
 BACKOFF_CAP = "interval '1 hour'"
 # 10 s * 2^20 is four months, far past the one-hour cap; capping the exponent
@@ -357,6 +361,7 @@ def claim_columns(table: Table) -> tuple[ColumnElement[Any], ...]:
         c.max_attempts,
         c.locked_until,
         c.run_at,
+        c.priority,
         c.scheduled_for,
         c.traceparent,
     )
@@ -369,6 +374,7 @@ def claim(
     limit: int = 10,
     lease: timedelta = DEFAULT_LEASE,
     now: datetime | None = None,
+    after: bool = False,
 ) -> Update:
     """Lease up to `limit` ready jobs to the caller: the only way to take work.
 
@@ -393,6 +399,15 @@ def claim(
     which is NULL for a queue with no setting (the plan and cost stay those of
     a plain claim), 0 for a paused one, and for a limited one its free slots,
     counted under a lock only that queue's claimers share (schema step 5).
+
+    `after=True` (one queue only) claims within one priority, past a position
+    in claim order: binds `after_priority`, `after_run_at` and `after_id`
+    (the last row a previous claim took). The claim index's range then starts
+    there, so the scan never steps over the entries of rows claimed before
+    it. Normally those are marked dead by the first scan that meets them and
+    cost nothing; while some session holds an old snapshot they cannot be, and
+    a claim from the start re-reads every one (see `claim_cursor`, which
+    decides when a worker claims this way).
     """
     if limit < 1:
         raise ValueError(f"limit must be at least 1, got {limit}")
@@ -401,7 +416,16 @@ def claim(
     take = bindparam("limit", limit, type_=Integer)
     if isinstance(queue, str):
         name = bindparam("queue", check_text("queue", queue), type_=Text)
-        ready = _ready(table, c.queue == name, func.least(take, _slots(table, name)), clock)
+        slots = func.least(take, _slots(table, name))
+        if after:
+            ready = _ready(table, and_(c.queue == name, *_past_position(table)), slots, clock)
+            # Within one priority: ordering by it too would make a prepared
+            # statement's generic plan sort (it cannot see the priority is fixed).
+            ready = ready.order_by(None).order_by(c.run_at, c.id)
+        else:
+            ready = _ready(table, c.queue == name, slots, clock)
+    elif after:
+        raise ValueError("a claim after a position takes one queue, not a list")
     else:
         ready = _ready_among(table, queue, take, clock)
     return (
@@ -432,6 +456,20 @@ def _ready(
         .order_by(c.priority.desc(), c.run_at, c.id)
         .limit(cap)
         .with_for_update(skip_locked=True)
+    )
+
+
+def _past_position(table: Table) -> tuple[ColumnElement[bool], ...]:
+    """Same priority, and `(run_at, id)` past the bound position: with the
+    claim index's leading `queue` and `priority` fixed, a range of the index."""
+    c = table.c
+    position = tuple_(
+        bindparam("after_run_at", type_=TIMESTAMP(timezone=True)),
+        bindparam("after_id", type_=BigInteger),
+    )
+    return (
+        c.priority == bindparam("after_priority", type_=Integer),
+        tuple_(c.run_at, c.id) > position,
     )
 
 
@@ -944,15 +982,23 @@ def _finished_batch(
     return and_(c.id.in_(victims.scalar_subquery()), old_finished)
 
 
-def next_run_at(table: Table, *, queue: Queues = "default") -> Select[Any, datetime]:
+def next_run_at(
+    table: Table, *, queue: Queues = "default", future_only: bool = False
+) -> Select[Any, datetime]:
     """When the earliest queued job of an unpaused queue becomes ready, and the
     server's `now()`, so an idle worker can sleep until then without trusting
-    its own clock (a paused queue's jobs are not due: its resume is announced)."""
+    its own clock (a paused queue's jobs are not due: its resume is announced).
+
+    `future_only` looks only past `now()`: an index range that skips the
+    entries of jobs already claimed, for a worker that knows those are
+    expensive to step over (see `claim`'s `after`)."""
     c = table.c
     paused = queues_table(MetaData(), table.name, table.schema).c
+    future = (c.run_at > func.now(),) if future_only else ()
     return select(func.min(c.run_at), func.now()).where(
         _queue_filter(c.queue, queue),
         status_is(c.status, "queued"),
+        *future,
         c.queue.not_in(select(paused.name).where(paused.paused).scalar_subquery()),
     )
 

@@ -38,6 +38,7 @@ from sqlalchemy import create_engine
 from sqlalchemy.pool import NullPool
 
 from .attempt import Attempt, Cancel, Key, Outcome, State
+from .claim_cursor import ClaimCursor
 from .db import RETRY_MAX, RETRY_START, sqlalchemy_url
 from .driver import Driver
 from .execute import Runner, timed_out
@@ -182,6 +183,7 @@ class Worker:
             options.database_url, registry.table, options.vacuum_dead_tuples, options.prepared
         )
         self.vacuum_seen = 0  # `processed` at the last look at the dead tuples
+        self.cursor = ClaimCursor(enabled=len(self.queues) == 1)
 
     def _driver(self) -> Driver:
         o = self.options
@@ -331,7 +333,7 @@ class Worker:
             self.event.clear()
             try:
                 await self._maintain()
-                rows = await self.claimer.claim(want)
+                rows = await self._claim(want)
             except psycopg.Error as exc:
                 log.warning("claim failed (%s); retrying in %.1fs", exc, delay)
                 await self._wait(delay, interruptible=False)
@@ -361,12 +363,23 @@ class Worker:
                 await asyncio.sleep(HANDOFF_SECONDS)
             await self._wait(await self._idle_timeout(empty))
 
+    async def _claim(self, want: int) -> list[dict[str, Any]]:
+        """One claim, from the head of the queue or past the cursor's position."""
+        started = time.monotonic()
+        after = self.cursor.after(started)
+        rows = await self.claimer.claim(want, after)
+        now = time.monotonic()
+        self.cursor.claimed(rows, now - started, from_head=after is None, now=now)
+        return rows
+
     async def _idle_timeout(self, empty: int) -> float:
         """Sleep until the next scheduled job is due, or the poll interval; after
-        empty claims, at least a backoff (the due job is locked by someone)."""
+        empty claims, at least a backoff (the due job is locked by someone).
+        While the cursor claims past a position, wake for its next claim from
+        the head, and look only at jobs due later (see `claim_cursor`)."""
         poll = self.options.poll_interval
         try:
-            due = await self.claimer.seconds_until_next()
+            due = await self.claimer.seconds_until_next(future_only=self.cursor.engaged)
         except psycopg.Error as exc:
             # Lazy: a connection lost while going to sleep comes back at the
             # next poll, like any other lost while idle.
@@ -377,7 +390,8 @@ class Worker:
             timeout = min(timeout, max(0.0, (self.next_fire - datetime.now(UTC)).total_seconds()))
         if empty:
             timeout = max(timeout, min(poll, _empty_backoff(empty)))
-        return timeout
+        head = self.cursor.wake_by(time.monotonic())
+        return timeout if head is None else min(timeout, head)
 
     async def _burst_waits(self, empty: int) -> bool:
         """A burst worker found nothing to claim: wait and claim again while

@@ -703,3 +703,48 @@ def test_reaper_uses_the_running_index(engine: Engine, history: Table) -> None:
         plan = conn.exec_driver_sql(f"EXPLAIN (COSTS OFF) {reap}", reap.params).scalars().all()
         assert any(f"{history.name}_running_idx" in line for line in plan), plan
         conn.rollback()
+
+
+def starts_at_the_position(node: dict[str, Any]) -> str:
+    """The index scan under the claim's LockRows (below an Incremental Sort, if
+    the planner adds one) and its Index Cond, which must bound the scan by the
+    position: `(run_at, id) >` on the claim index, or `run_at >=` on the ready
+    index (the generic plan of a nearly empty queue picks that one)."""
+    assert node["Node Type"] == "Limit", node
+    (lock,) = node["Plans"]
+    assert lock["Node Type"] == "LockRows", lock
+    (scan,) = lock["Plans"]
+    if scan["Node Type"] == "Incremental Sort":
+        (scan,) = scan["Plans"]
+    assert scan["Node Type"] == "Index Scan", scan
+    cond = str(scan["Index Cond"])
+    assert "ROW(run_at, id) >" in cond or "run_at >=" in cond, scan
+    return str(scan["Index Name"])
+
+
+def test_claim_after_a_position_starts_its_index_scan_there(
+    engine: Engine, history: Table
+) -> None:
+    """The positional claim (see claim_cursor) is an index range from the
+    position on, in the custom plan and in the generic plan a prepared
+    statement gets, so it never steps over the entries before it."""
+    stmt = statements.claim(history, limit=10, after=True)
+    compiled = stmt.compile(dialect=postgresql.psycopg.dialect())
+    position = {"after_priority": 0, "after_run_at": "-infinity", "after_id": 150}
+    with engine.connect() as conn:
+        node = cte_plan(conn, str(compiled), {**compiled.params, **position})
+        assert starts_at_the_position(node) == f"{history.name}_claim_idx"
+        sql, order = dollar_params(str(compiled))
+        literals = {
+            "queue": "'default'",
+            "limit": "10",
+            "lease": "interval '5 minutes'",
+            "after_priority": "0",
+            "after_run_at": "'-infinity'",
+            "after_id": "150",
+        }
+        conn.exec_driver_sql("SET plan_cache_mode = force_generic_plan")
+        conn.exec_driver_sql(f"PREPARE jobq_claim_after AS {sql}")
+        args = ", ".join(literals.get(n, "1") for n in order)
+        starts_at_the_position(cte_plan(conn, f"EXECUTE jobq_claim_after({args})"))
+        conn.rollback()

@@ -33,6 +33,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "capture",
             "finisher",
             "joblog",
+            "claim_cursor",
             "vacuuming",
             "leases",
             "threads",
