@@ -35,7 +35,7 @@ UNIQUE_WHERE = "unique_key IS NOT NULL AND status IN ('queued', 'running')"
 # The schema version this code needs. The migrations record the version they
 # applied as the table's comment (as Oban does), so a worker can refuse to run
 # on a missing or outdated table, and a custom-named table carries its own.
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 # The version of the step that last changed the archive table's shape. Its
 # comment carries it, so a host's `include_object` recognises the archive too.
 ARCHIVE_VERSION = 5
@@ -45,6 +45,28 @@ SCHEDULES_VERSION = 4
 QUEUES_VERSION = 5
 WORKERS_VERSION = 5
 _COMMENT_PREFIX = "sqla_jobq schema version "
+
+# Autovacuum storage parameters of the jobs table (schema version 6; values as
+# PostgreSQL spells them in `pg_class.reloptions`). A queue table is small and
+# hot, and every job leaves two dead row versions in it: the claim and the
+# completion both change `status`, which the partial indexes' predicates name,
+# so neither update can be HOT. The default scale factor, 0.2, waits for dead
+# tuples to reach a fifth of a table that, unpruned, holds every finished job,
+# then a throttled vacuum (cost delay 2 ms) crawls through it. With scale 0 and
+# threshold 5000 autovacuum takes the table at each visit with that many dead
+# (or changed, for analyze) tuples, whatever its size; autovacuum_naptime, a
+# server setting (60 s by default), still bounds how often it visits. Cost
+# delay 0 because a small hot table's vacuum should finish in a fraction of
+# the time its dead tuples take to pile up. fillfactor stays at 100: free room
+# in a page only serves HOT updates, and no per-job update can be HOT.
+# Step 6 applies these values: changing them is a new step, not an edit here.
+QUEUE_TABLE_SETTINGS: dict[str, str] = {
+    "autovacuum_vacuum_scale_factor": "0",
+    "autovacuum_vacuum_threshold": "5000",
+    "autovacuum_vacuum_cost_delay": "0",
+    "autovacuum_analyze_scale_factor": "0",
+    "autovacuum_analyze_threshold": "5000",
+}
 
 
 def version_comment(version: int) -> str:
@@ -307,6 +329,8 @@ def jobs_table(metadata: MetaData, name: str = "jobs", schema: str | None = None
         ),
         schema=schema,
         comment=version_comment(SCHEMA_VERSION),
+        # So `metadata.create_all` builds the table step 6 leaves (SQLAlchemy 2.1+).
+        postgresql_with=dict(QUEUE_TABLE_SETTINGS),
     )
 
 

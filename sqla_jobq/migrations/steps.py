@@ -11,7 +11,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..schema import UNIQUE_WHERE, Names, qualify, quote_ident, quote_literal, version_comment
+from ..schema import (
+    QUEUE_TABLE_SETTINGS,
+    UNIQUE_WHERE,
+    Names,
+    qualify,
+    quote_ident,
+    quote_literal,
+    version_comment,
+)
 
 
 @dataclass(frozen=True)
@@ -183,6 +191,10 @@ def repair_statements(n: Names) -> list[str]:
     A current table whose triggers were dropped or disabled makes every job
     wait for the workers' fallback poll; `jobq migrate` runs these on it. They
     change no schema version, so they are not a step.
+
+    Step 6's autovacuum settings are not re-applied: they tune the table, it
+    works without them, and an operator may have changed them on purpose
+    (`jobq doctor` reports settings that differ, without warning).
     """
     table = n.qualified
     return [
@@ -447,6 +459,18 @@ def _v5_down(n: Names) -> list[str]:
     ]
 
 
+def _v6_up(n: Names) -> list[str]:
+    # Autovacuum settings take a SHARE UPDATE EXCLUSIVE lock: claims, enqueues
+    # and completions go on while this runs; only another VACUUM or DDL waits.
+    options = ", ".join(f"{name} = {value}" for name, value in QUEUE_TABLE_SETTINGS.items())
+    return [f"ALTER TABLE {n.qualified} SET ({options})"]
+
+
+def _v6_down(n: Names) -> list[str]:
+    # Only these names: any other storage parameter set by hand stays.
+    return [f"ALTER TABLE {n.qualified} RESET ({', '.join(QUEUE_TABLE_SETTINGS)})"]
+
+
 STEPS: tuple[Step, ...] = (
     Step(
         1,
@@ -489,6 +513,14 @@ STEPS: tuple[Step, ...] = (
         "registry `<name>_workers`",
         _v5_up,
         _v5_down,
+    ),
+    Step(
+        6,
+        "autovacuum settings on the jobs table (`schema.QUEUE_TABLE_SETTINGS`): vacuum "
+        "and analyze it once 5,000 tuples are dead or changed, whatever its size, "
+        "unthrottled, since every job leaves two dead row versions that no HOT update saves",
+        _v6_up,
+        _v6_down,
     ),
 )
 

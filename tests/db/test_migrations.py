@@ -30,7 +30,7 @@ from sqla_jobq import client, statements
 from sqla_jobq.db import conninfo, parse_url, sqlalchemy_url
 from sqla_jobq.migrations import SchemaError, check_schema
 from sqla_jobq.migrations.steps import LATEST, up_statements
-from sqla_jobq.schema import Names, jobs_table, parse_version_comment
+from sqla_jobq.schema import QUEUE_TABLE_SETTINGS, Names, jobs_table, parse_version_comment
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 QUEUE_V1_RELATIONS = {
@@ -196,6 +196,59 @@ def test_step_3_down_restores_step_2_exactly_and_up_again_restores_step_3(fresh_
     alembic(REPO_ROOT, "upgrade", "sqla_jobq_0003", url=fresh_db)
     assert notifying(fresh_db) == v3
     assert table_comment(fresh_db, "jobs") == "sqla_jobq schema version 3"
+
+
+# Step 6's settings, spelled out rather than read from QUEUE_TABLE_SETTINGS: a
+# released step is frozen, and an edit of the constant must fail here.
+STEP_6_RELOPTIONS = [
+    "autovacuum_vacuum_scale_factor=0",
+    "autovacuum_vacuum_threshold=5000",
+    "autovacuum_vacuum_cost_delay=0",
+    "autovacuum_analyze_scale_factor=0",
+    "autovacuum_analyze_threshold=5000",
+]
+
+
+def reloptions(url: str, qualified: str) -> list[str] | None:
+    with psycopg.connect(conninfo(url), autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT reloptions FROM pg_class WHERE oid = to_regclass(%s)", [qualified]
+        ).fetchone()
+        assert row is not None, qualified
+        return row[0]  # type: ignore[no-any-return]
+
+
+def test_step_6_sets_exactly_the_autovacuum_settings_on_a_version_5_table_and_down_resets_them(
+    fresh_db: str,
+) -> None:
+    alembic(REPO_ROOT, "upgrade", "sqla_jobq_0005", url=fresh_db)
+    with psycopg.connect(conninfo(fresh_db), autocommit=True) as conn:
+        conn.execute("INSERT INTO jobs (payload) VALUES ('{}')")
+        # An operator's own storage parameter, which neither direction touches.
+        conn.execute("ALTER TABLE jobs SET (toast_tuple_target = 4080)")
+    assert reloptions(fresh_db, "jobs") == ["toast_tuple_target=4080"]
+
+    alembic(REPO_ROOT, "upgrade", "sqla_jobq_0006", url=fresh_db)
+    assert reloptions(fresh_db, "jobs") == ["toast_tuple_target=4080", *STEP_6_RELOPTIONS]
+    assert table_comment(fresh_db, "jobs") == "sqla_jobq schema version 6"
+    # Only the jobs table: the archive and the side tables keep the defaults.
+    for side in ("jobs_archive", "jobs_queues", "jobs_workers", "jobs_schedules"):
+        assert reloptions(fresh_db, side) is None
+    with psycopg.connect(conninfo(fresh_db), autocommit=True) as conn:
+        assert conn.execute("SELECT count(*) FROM jobs").fetchone() == (1,)
+
+    alembic(REPO_ROOT, "downgrade", "sqla_jobq_0005", url=fresh_db)
+    assert reloptions(fresh_db, "jobs") == ["toast_tuple_target=4080"]
+    assert table_comment(fresh_db, "jobs") == "sqla_jobq schema version 5"
+
+
+def test_a_fresh_table_at_the_latest_version_has_exactly_the_step_6_settings(
+    fresh_db: str,
+) -> None:
+    alembic(REPO_ROOT, "upgrade", "head", url=fresh_db)
+    assert parse_version_comment(table_comment(fresh_db, "jobs")) == LATEST
+    assert reloptions(fresh_db, "jobs") == STEP_6_RELOPTIONS
+    assert dict(o.split("=") for o in STEP_6_RELOPTIONS) == QUEUE_TABLE_SETTINGS
 
 
 # --- b) a host app with its own Alembic project -----------------------------------
@@ -525,6 +578,7 @@ def describe(conn: Connection, qualified: str, name: str) -> dict[str, Any]:
             "WHERE conrelid = to_regclass(:t)"
         ),
         "comment": rows("SELECT obj_description(to_regclass(:t), 'pg_class')"),
+        "reloptions": rows("SELECT unnest(reloptions) FROM pg_class WHERE oid = to_regclass(:t)"),
     }
 
 
