@@ -16,6 +16,7 @@ from sqlalchemy.engine import Connection
 from .. import queue_statements
 from ..migrations.check import SchemaError, schema_version
 from ..schema import QUEUES_VERSION, Names, jobs_table
+from .autovacuum import SERVER_SETTINGS
 from .model import Facts, Row, Thresholds
 
 # The doctor must never be the long transaction it warns about, nor queue
@@ -75,11 +76,20 @@ SELECT coalesce(s.n_live_tup, 0) AS n_live_tup, coalesce(s.n_dead_tup, 0) AS n_d
        s.last_vacuum, s.last_autovacuum, s.last_analyze, s.last_autoanalyze,
        pg_relation_size(c.oid) AS table_bytes, pg_indexes_size(c.oid) AS index_bytes,
        pg_total_relation_size(c.oid) AS total_bytes,
-       current_setting('autovacuum') = 'on' AS autovacuum_server,
        (SELECT option_value FROM pg_options_to_table(c.reloptions)
         WHERE option_name = 'autovacuum_enabled') AS autovacuum_table
 FROM pg_class c LEFT JOIN pg_stat_user_tables s ON s.relid = c.oid
 WHERE c.oid = to_regclass(:qualified)
+"""
+
+# As the doctor's session sees them: a database's or a role's own setting
+# (track_counts may have one) shows, with where it came from.
+_AUTOVACUUM = """
+SELECT s.name, current_setting(s.name) AS value, s.source,
+       (SELECT option_value FROM pg_options_to_table(c.reloptions)
+        WHERE option_name = s.name) AS table_value
+FROM pg_settings s LEFT JOIN pg_class c ON c.oid = to_regclass(:qualified)
+WHERE s.name = ANY(CAST(:names AS text[]))
 """
 
 _ARCHIVE = """
@@ -167,6 +177,7 @@ def collect(conn: Connection, names: Names, thresholds: Thresholds) -> Facts:
         prepared=_rows(conn, _PREPARED),
         slots=_rows(conn, _SLOTS),
         table=_rows(conn, _TABLE, qualified)[0],
+        autovacuum=_rows(conn, _AUTOVACUUM, {**qualified, "names": list(SERVER_SETTINGS)}),
         archive=archive[0] if archive else None,
         indexes=_rows(conn, _INDEXES, qualified),
         queues=_rows(conn, _queues_sql(names), _queue_params(thresholds)),

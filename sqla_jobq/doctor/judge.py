@@ -1,6 +1,7 @@
 """Turn `Facts` into `Finding`s, no I/O: the schema and what this role can
-see here, then the xmin horizon (`horizon`), the table (`table`) and its
-queues (`queues`), in the order the report reads top down."""
+see here, then the xmin horizon (`horizon`), the table (`table`,
+`autovacuum`) and its queues (`queues`), in the order the report reads top
+down."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections.abc import Iterable
 
 from ..migrations.check import LATEST
 from ..schema import Names
+from .autovacuum import autovacuum_finding
 from .horizon import (
     horizon_age,
     horizon_finding,
@@ -52,6 +54,7 @@ def judge(facts: Facts, names: Names, t: Thresholds) -> list[Finding]:
         *_or_ok(prepared, "prepared_transaction", "no orphaned prepared transaction"),
         *_or_ok(slots, "replication_slot", "no replication slot holds the horizon back"),
         dead_tuple_finding(facts, names, t, held_back),
+        autovacuum_finding(facts, names),
         statistics_finding(facts, names),
         size_finding(facts),
         *index_findings(facts.indexes, names),

@@ -59,6 +59,7 @@ CHECKS = (
     "prepared_transaction",
     "replication_slot",
     "dead_tuples",
+    "autovacuum",
     "statistics",
     "table_size",
     "index",
@@ -127,6 +128,9 @@ class Facts:
     prepared: list[Row]
     slots: list[Row]
     table: Row
+    # The server settings autovacuum goes by, each with this table's own value
+    # where it has one (`autovacuum.SERVER_SETTINGS`).
+    autovacuum: list[Row]
     archive: Row | None
     indexes: list[Row]
     queues: list[Row]

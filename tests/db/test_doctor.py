@@ -16,6 +16,7 @@ import re
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -23,7 +24,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from sqlalchemy import Engine, Table, create_engine, text
+from sqlalchemy import Engine, MetaData, Table, create_engine, text
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import InternalError
 from sqlalchemy.pool import NullPool
@@ -31,8 +32,10 @@ from sqlalchemy.pool import NullPool
 from sqla_jobq import client, statements
 from sqla_jobq.db import conninfo, sqlalchemy_url
 from sqla_jobq.doctor import Finding, Report, Thresholds, diagnose, read_only, render_text
-from sqla_jobq.schema import names_of
+from sqla_jobq.schema import QUEUE_TABLE_SETTINGS, Names, jobs_table, names_of
 from sqla_jobq.statements import NewJob
+from tests.support.cluster import Cluster, server_installed, throwaway_cluster
+from tests.support.queues import create_queue_table
 
 TABLE_CHECKS = {
     "schema_version",
@@ -392,6 +395,147 @@ def test_doctor_flags_a_never_analyzed_table_until_it_is_analyzed(
         time.sleep(0.2)
     assert finding.level == "ok"
     assert finding.data["analyzed"] is True
+
+
+# --- autovacuum ----------------------------------------------------------------------------
+
+
+def server_setting(raw: psycopg.Connection[tuple[object, ...]], name: str) -> object:
+    row = raw.execute("SELECT current_setting(%s)", [name]).fetchone()
+    assert row is not None
+    return row[0]
+
+
+def test_doctor_warns_when_autovacuum_is_off_server_wide_and_names_alter_system(
+    database_url: str, table: Table, raw: psycopg.Connection[tuple[object, ...]]
+) -> None:
+    if server_setting(raw, "autovacuum") != "off":
+        pytest.skip("needs a server with autovacuum off, as the shared test server has")
+    status, shown = doctor_json(database_url, table)
+    (finding,) = [f for f in shown["findings"] if f["check"] == "autovacuum"]
+    assert status == 1 and finding["level"] == "warn"
+    assert "autovacuum = off" in finding["summary"]
+    assert "grows without bound unless pruned and vacuumed by hand" in finding["advice"]
+    assert "ALTER SYSTEM SET autovacuum = on; SELECT pg_reload_conf();" in finding["advice"]
+    assert finding["data"]["autovacuum"] is False and finding["data"]["track_counts"] is True
+    # The table's own settings are reported even while they cannot take effect.
+    assert finding["data"]["settings"]["autovacuum_vacuum_threshold"] == {
+        "value": "5000",
+        "source": "table",
+    }
+
+
+def test_doctor_warns_of_a_table_with_autovacuum_disabled_and_its_reset_clears_that(
+    engine: Engine, quiet: Table, raw: psycopg.Connection[tuple[object, ...]]
+) -> None:
+    (finding,) = of_check(diagnose(engine, quiet), "autovacuum")
+    assert finding.level == "warn"
+    assert "table option autovacuum_enabled = false" in finding.summary
+    reset = f'ALTER TABLE "{quiet.name}" RESET (autovacuum_enabled)'
+    assert reset in finding.advice
+    assert finding.data["table_autovacuum_enabled"] == "false"
+
+    raw.execute(reset.encode())
+    (after,) = of_check(diagnose(engine, quiet), "autovacuum")
+    assert "autovacuum_enabled" not in after.summary
+    assert after.data["table_autovacuum_enabled"] is None
+
+
+@pytest.fixture(scope="module")
+def autovacuum_server() -> Iterator[Cluster]:
+    """A cluster of these tests' own with autovacuum on (the shared server has it
+    off on purpose, and must not be changed); removed afterwards."""
+    if not server_installed():
+        pytest.skip("PostgreSQL 15 server binaries are not installed")
+    with throwaway_cluster() as node:
+        with psycopg.connect(conninfo(node.url), autocommit=True) as conn:
+            assert conn.execute("SHOW autovacuum").fetchone() == ("on",)
+        yield node
+
+
+@pytest.fixture
+def on_server(autovacuum_server: Cluster) -> Iterator[tuple[str, Table]]:
+    """A migrated queue table in a database of its own on that cluster: (URL, table)."""
+    name = f"jobq_doc_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(conninfo(autovacuum_server.url), autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"'.encode())
+    url = autovacuum_server.url.rsplit("/", 1)[0] + f"/{name}"
+    names = Names("jobs", None)
+    create_queue_table(url, names)
+    yield url, jobs_table(MetaData(), names.table)
+    with psycopg.connect(conninfo(autovacuum_server.url), autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE "{name}" WITH (FORCE)'.encode())
+
+
+def test_with_autovacuum_on_doctor_reports_the_step_6_settings_as_the_tables_own(
+    on_server: tuple[str, Table],
+) -> None:
+    url, table = on_server
+    status, shown = doctor_json(url, table)
+    (finding,) = [f for f in shown["findings"] if f["check"] == "autovacuum"]
+    assert finding["level"] == "ok", finding
+    assert finding["data"]["settings"] == {
+        name: {"value": value, "source": "table"} for name, value in QUEUE_TABLE_SETTINGS.items()
+    }
+    assert finding["data"]["autovacuum_naptime"] == "1min"
+    assert finding["data"]["changed"] == {}
+    assert "autovacuum_vacuum_scale_factor = 0 (table)" in finding["summary"]
+    assert "autovacuum_naptime = 1min (server)" in finding["summary"]
+    assert "changed" not in finding["summary"]
+    assert not [f for f in shown["findings"] if f["level"] == "warn"], shown
+    assert status == 0
+
+
+def test_settings_changed_by_hand_are_noted_in_the_summary_not_warned_about(
+    on_server: tuple[str, Table],
+) -> None:
+    url, table = on_server
+    with psycopg.connect(conninfo(url), autocommit=True) as conn:
+        conn.execute(b"ALTER TABLE jobs SET (autovacuum_vacuum_threshold = 1000)")
+        conn.execute(b"ALTER TABLE jobs RESET (autovacuum_vacuum_cost_delay)")
+    engine = create_engine(sqlalchemy_url(url), poolclass=NullPool)
+    try:
+        (finding,) = of_check(diagnose(engine, table), "autovacuum")
+    finally:
+        engine.dispose()
+    assert finding.level == "ok"
+    assert finding.data["changed"] == {
+        "autovacuum_vacuum_threshold": {"value": "1000", "schema": "5000"},
+        "autovacuum_vacuum_cost_delay": {"value": "2ms", "schema": "0"},
+    }
+    assert finding.data["settings"]["autovacuum_vacuum_cost_delay"] == {
+        "value": "2ms",
+        "source": "server",
+    }
+    assert "autovacuum_vacuum_threshold (was 5000)" in finding.summary
+
+
+def test_track_counts_off_for_the_database_warns_and_names_the_database_reset(
+    on_server: tuple[str, Table],
+) -> None:
+    """track_counts is a superuser setting a database may carry: its sessions
+    then count nothing, so autovacuum never learns of their dead tuples."""
+    url, table = on_server
+    database = url.rsplit("/", 1)[1]
+    with psycopg.connect(conninfo(url), autocommit=True) as conn:
+        conn.execute(f'ALTER DATABASE "{database}" SET track_counts = off'.encode())
+    status, shown = doctor_json(url, table)
+    (finding,) = [f for f in shown["findings"] if f["check"] == "autovacuum"]
+    assert status == 1 and finding["level"] == "warn"
+    assert finding["summary"] == (
+        "autovacuum cannot clean this table: track_counts = off (source: database)"
+    )
+    reset = f'ALTER DATABASE "{database}" RESET track_counts'
+    assert finding["advice"].endswith(f"fix: {reset}")
+    assert "needs pg_stat counts too" in finding["advice"]
+    (dead,) = [f for f in shown["findings"] if f["check"] == "dead_tuples"]
+    assert dead["summary"].endswith("autovacuum is OFF (track_counts is off)")
+
+    with psycopg.connect(conninfo(url), autocommit=True) as conn:
+        conn.execute(reset.encode())
+    status, shown = doctor_json(url, table)
+    (finding,) = [f for f in shown["findings"] if f["check"] == "autovacuum"]
+    assert finding["level"] == "ok" and status == 0
 
 
 # --- healthy, and the CLI's contract ------------------------------------------------------
