@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from ..schema import (
     QUEUE_TABLE_SETTINGS,
+    RUNNING_WHERE,
     UNIQUE_WHERE,
     Names,
     qualify,
@@ -459,16 +460,29 @@ def _v5_down(n: Names) -> list[str]:
     ]
 
 
+def _running_index(n: Names, where: str) -> list[str]:
+    return [
+        f"DROP INDEX {qualify(n.schema, n.running_index)}",
+        f"CREATE INDEX {quote_ident(n.running_index)} ON {n.qualified} (locked_until) "
+        f"WHERE {where}",
+    ]
+
+
 def _v6_up(n: Names) -> list[str]:
     # Autovacuum settings take a SHARE UPDATE EXCLUSIVE lock: claims, enqueues
     # and completions go on while this runs; only another VACUUM or DDL waits.
     options = ", ".join(f"{name} = {value}" for name, value in QUEUE_TABLE_SETTINGS.items())
-    return [f"ALTER TABLE {n.qualified} SET ({options})"]
+    # The running index, rebuilt (it holds running jobs only: a moment's work)
+    # with a predicate only a statement bounding `locked_until` implies.
+    return [f"ALTER TABLE {n.qualified} SET ({options})", *_running_index(n, RUNNING_WHERE)]
 
 
 def _v6_down(n: Names) -> list[str]:
     # Only these names: any other storage parameter set by hand stays.
-    return [f"ALTER TABLE {n.qualified} RESET ({', '.join(QUEUE_TABLE_SETTINGS)})"]
+    return [
+        f"ALTER TABLE {n.qualified} RESET ({', '.join(QUEUE_TABLE_SETTINGS)})",
+        *_running_index(n, "status = 'running'"),
+    ]
 
 
 STEPS: tuple[Step, ...] = (
@@ -518,7 +532,9 @@ STEPS: tuple[Step, ...] = (
         6,
         "autovacuum settings on the jobs table (`schema.QUEUE_TABLE_SETTINGS`): vacuum "
         "and analyze it once 5,000 tuples are dead or changed, whatever its size, "
-        "unthrottled, since every job leaves two dead row versions that no HOT update saves",
+        "unthrottled, since every job leaves two dead row versions that no HOT update saves; "
+        "the running index's predicate adds `locked_until IS NOT NULL`, so only the reaper "
+        "(which bounds `locked_until`) uses it and fenced statements take the primary key",
         _v6_up,
         _v6_down,
     ),

@@ -748,3 +748,57 @@ def test_claim_after_a_position_starts_its_index_scan_there(
         args = ", ".join(literals.get(n, "1") for n in order)
         starts_at_the_position(cte_plan(conn, f"EXECUTE jobq_claim_after({args})"))
         conn.rollback()
+
+
+def test_fenced_statements_find_their_rows_by_primary_key_in_generic_plans(
+    engine: Engine, history: Table
+) -> None:
+    """Completion, failure, heartbeats and hand-backs name their rows by id.
+    Their generic plans (the worker prepares them) must look those ids up in
+    the primary key, never walk the running index: while a snapshot is held,
+    that index keeps an entry for every job run since (schema step 6 gave it
+    a predicate only the reaper implies)."""
+    name = history.name
+    with autocommit(engine) as conn:
+        conn.exec_driver_sql(
+            f"UPDATE \"{name}\" SET status = 'running', attempts = 1, "
+            "locked_until = now() + interval '5 minutes' "
+            f"WHERE id IN (SELECT id FROM \"{name}\" WHERE status = 'queued' LIMIT 50)"
+        )
+        conn.exec_driver_sql(f'ANALYZE "{name}"')
+    pairs = [(1, 1), (2, 1)]
+    fenced = {
+        "complete_many": statements.complete_many(history, pairs),
+        "complete_many with results": statements.complete_many(history, pairs, [None, None]),
+        "extend_leases": statements.extend_leases(history, pairs, timedelta(minutes=5)),
+        "release_many": statements.release_many(history, pairs, refund=True),
+        "fail": statements.fail(history, 1, 1, "boom"),
+    }
+    with engine.connect() as conn:
+        conn.exec_driver_sql("SET plan_cache_mode = force_generic_plan")
+        for n, (what, stmt) in enumerate(fenced.items()):
+            compiled = stmt.compile(dialect=postgresql.psycopg.dialect())
+            sql, order = dollar_params(str(compiled))
+            values = {**compiled.params}
+            args = ", ".join(_literal(values.get(key)) for key in order)
+            conn.exec_driver_sql(f"PREPARE fenced_{n} AS {sql}")
+            plan = "\n".join(
+                conn.exec_driver_sql(f"EXPLAIN (COSTS OFF) EXECUTE fenced_{n}({args})").scalars()
+            )
+            assert f"{name}_running_idx" not in plan, (what, plan)
+            assert f"{name}_pkey" in plan, (what, plan)
+        conn.rollback()
+
+
+def _literal(value: Any) -> str:
+    """A bound value as SQL text for EXECUTE (the test's own simple values)."""
+    if isinstance(value, list):
+        inner = ",".join("NULL" if v is None else str(v) for v in value)
+        return f"'{{{inner}}}'"
+    if isinstance(value, timedelta):
+        return f"interval '{int(value.total_seconds())} seconds'"
+    if value is None:
+        return "NULL"
+    if isinstance(value, str):
+        return "'" + value.replace("'", "''") + "'"
+    return str(value)
