@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqla_jobq.claim_cursor import HEAD_EVERY, SLOW_CLAIM, ClaimCursor
+from sqla_jobq.claim_cursor import HEAD_EVERY, HEAD_SHARE, SLOW_CLAIM, ClaimCursor
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -75,3 +75,13 @@ def test_a_worker_of_several_queues_always_claims_from_the_head() -> None:
     cursor = ClaimCursor(enabled=False)
     cursor.claimed([row(1)], SLOW, from_head=True, now=0.0)
     assert cursor.after(0.1) is None and cursor.wake_by(0.1) is None
+
+
+def test_a_very_slow_claim_from_the_head_comes_round_less_often() -> None:
+    """A head claim that steps over millions of entries costs half a second:
+    repeating it every second would spend half the claims on it."""
+    cursor = ClaimCursor(enabled=True)
+    slow = HEAD_EVERY * HEAD_SHARE * 10
+    cursor.claimed([row(1)], slow, from_head=True, now=0.0)
+    assert cursor.after(HEAD_EVERY * 5) is not None
+    assert cursor.after(slow / HEAD_SHARE) is None
