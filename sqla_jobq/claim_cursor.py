@@ -12,16 +12,19 @@ and a worker fell to a third of its offered load within a minute.
 
 So when a claim from the head is slow (SLOW_CLAIM), the worker claims past the
 last job it took instead, within that job's priority (`statements.claim`
-with `after`): an index range that starts beyond the old entries. It goes
-back to the head every HEAD_EVERY seconds (or, when a claim from the head
-takes longer than HEAD_SHARE of that, as much less often as keeps it to that
-share), so what the positional claim cannot see waits at most that long: a
-job of another priority, a job whose transaction committed after later ones
-were claimed, a job put back with its old `run_at`, a due job another session
-had locked. The first fast
-claim from the head ends it; so does a claim from the head that finds nothing
-when the positional ones found nothing either (an idle worker then sleeps as
-usual instead of waking every HEAD_EVERY seconds).
+with `after`): an index range that starts beyond the old entries. A claim from
+the head, a sweep, still runs every HEAD_EVERY seconds (or, when a sweep takes
+longer than HEAD_SHARE of that, as much less often as keeps it to that share),
+on a connection of its own so the positional claims go on meanwhile; what the
+positional claim cannot see waits at most that long: a job of another
+priority, a job whose transaction committed after later ones were claimed, a
+job put back with its old `run_at`, a due job another session had locked. A
+sweep never moves the position back within its priority (that would make the
+next positional claim step over the old entries after all); a sweep that
+finds another priority's jobs moves the position there, as traffic moved. The
+first fast sweep ends it; so does a sweep that finds nothing when the
+positional claims found nothing either (an idle worker then sleeps as usual
+instead of waking for sweeps).
 
 None of this touches correctness: every claim locks with SKIP LOCKED and every
 outcome is fenced. The position only decides where to start looking. Workers
@@ -46,9 +49,14 @@ HEAD_EVERY = 1.0
 HEAD_SHARE = 0.05
 
 
-def _place(row: dict[str, Any]) -> tuple[int, datetime, int]:
+def _position(row: dict[str, Any]) -> Position:
+    return (row["priority"], row["run_at"], row["id"])
+
+
+def _order(position: Position) -> tuple[int, datetime, int]:
     """Claim order, ascending: higher priority first, then run_at, then id."""
-    return (-row["priority"], row["run_at"], row["id"])
+    priority, run_at, job_id = position
+    return (-priority, run_at, job_id)
 
 
 class ClaimCursor:
@@ -58,14 +66,16 @@ class ClaimCursor:
         self.enabled = enabled
         self.engaged = False
         self.position: Position | None = None
-        self.head_due = 0.0  # monotonic time of the next claim from the head
+        self.head_due = 0.0  # monotonic time of the next sweep
         self.took_since_head = False
 
-    def after(self, now: float) -> Position | None:
+    def after(self) -> Position | None:
         """Where the next claim starts: past this position, or None for the head."""
-        if not self.engaged or self.position is None or now >= self.head_due:
-            return None
-        return self.position
+        return self.position if self.engaged else None
+
+    def sweep_due(self, now: float) -> bool:
+        """Whether a claim from the head should run beside the positional ones now."""
+        return self.engaged and now >= self.head_due
 
     def claimed(
         self, rows: Sequence[dict[str, Any]], seconds: float, *, from_head: bool, now: float
@@ -81,9 +91,15 @@ class ClaimCursor:
         elif rows:
             self.took_since_head = True
         if rows:
-            last = max(rows, key=_place)
-            self.position = (last["priority"], last["run_at"], last["id"])
+            self._advance(max((_position(r) for r in rows), key=_order))
+
+    def _advance(self, last: Position) -> None:
+        """Forward only within a priority; to another priority wherever it is."""
+        at = self.position
+        if at is None or at[0] != last[0] or _order(last) > _order(at):
+            self.position = last
 
     def wake_by(self, now: float) -> float | None:
-        """Seconds until the next claim from the head is due, while engaged."""
+        """Seconds until the next sweep is due, while engaged."""
         return max(0.0, self.head_due - now) if self.engaged else None
+

@@ -184,6 +184,8 @@ class Worker:
         )
         self.vacuum_seen = 0  # `processed` at the last look at the dead tuples
         self.cursor = ClaimCursor(enabled=len(self.queues) == 1)
+        self.sweeper = self._driver()  # connects on its first sweep only
+        self.sweep: asyncio.Task[None] | None = None
 
     def _driver(self) -> Driver:
         o = self.options
@@ -364,13 +366,37 @@ class Worker:
             await self._wait(await self._idle_timeout(empty))
 
     async def _claim(self, want: int) -> list[dict[str, Any]]:
-        """One claim, from the head of the queue or past the cursor's position."""
+        """One claim, from the head of the queue or past the cursor's position
+        (then with a sweep from the head beside it when one is due)."""
         started = time.monotonic()
-        after = self.cursor.after(started)
+        after = self.cursor.after()
+        if after is not None and self.sweep is None and self.cursor.sweep_due(started):
+            self.sweep = asyncio.create_task(self._sweep(), name="sweep")
         rows = await self.claimer.claim(want, after)
         now = time.monotonic()
         self.cursor.claimed(rows, now - started, from_head=after is None, now=now)
         return rows
+
+    async def _sweep(self) -> None:
+        """A claim from the head on a connection of its own, so the positional
+        claims go on while it steps over what they skip (see `claim_cursor`)."""
+        want = max(1, min(self.options.concurrency, self.max_held - len(self.attempts)))
+        started = time.monotonic()
+        try:
+            rows = await self.sweeper.claim(want)
+        except psycopg.Error as exc:
+            log.warning("sweep claim failed (%s); positional claims go on", exc)
+            self.cursor.head_due = time.monotonic() + RETRY_MAX
+            return
+        finally:
+            self.sweep = None
+        now = time.monotonic()
+        self.cursor.claimed(rows, now - started, from_head=True, now=now)
+        for row in rows:
+            self._take(row)
+        self._dispatch()
+        if rows:
+            self.wake()
 
     async def _idle_timeout(self, empty: int) -> float:
         """Sleep until the next scheduled job is due, or the poll interval; after
@@ -670,6 +696,8 @@ class Worker:
         self.stopping = True
         if self.stall_check is not None:
             self.stall_check.cancel()
+        if self.sweep is not None:  # its rows join the ready ones handed back below
+            await asyncio.gather(self.sweep, return_exceptions=True)
         await self._hand_back(self._take_ready(), refund=True, why="not started at shutdown")
         if self.running:
             log.info("waiting for %d running jobs", len(self.running))
@@ -693,7 +721,7 @@ class Worker:
         await self._presence(self.claimer, self.presence.leave)
         if self.listener is not None:
             await self.listener.stop()
-        for driver in (self.claimer, self.finisher.driver, self.leases.driver):
+        for driver in (self.claimer, self.sweeper, self.finisher.driver, self.leases.driver):
             await driver.close()
         if self.transactions is not None:
             await self.transactions.dispose()

@@ -5,13 +5,15 @@ exactly once, including the jobs the position cannot see."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, Table
+from sqlalchemy import Engine, Table, func
 
 from sqla_jobq import Registry, claim_cursor, client, statements
 from sqla_jobq.job import NewJob
@@ -119,3 +121,44 @@ def test_jobs_behind_the_position_still_run(
             ]
         wait_until(lambda: len(side.events()) >= 303, 30, "the jobs behind the position")
     assert {e["job_id"] for e in side.events()} >= set(behind)
+
+
+def test_stopping_while_sweeping_leaves_no_job_running_and_no_session_open(
+    always_positional: None, database_url: str, engine: Engine, table: Table, side: Side
+) -> None:
+    """A sweep in flight at shutdown is waited for, and what it claimed is
+    handed back with the other jobs not started; its connection is closed.
+    The sweep is held for a moment after its claim committed (the window in
+    which its rows are leased on the server and not yet in the worker's
+    hands), and the worker is stopped inside that window."""
+    registry = recording_registry(table, side, pause=0.002)
+    with engine.begin() as conn:
+        client.enqueue_many(conn, table, [NewJob("t", {"n": n}) for n in range(3000)])
+    claimed_by_sweep = threading.Event()
+    with running(registry, database_url, concurrency=4, poll_interval=0.2) as run:
+        sweeper = run.worker.sweeper
+        claim = sweeper.claim
+
+        async def held_claim(limit: int, after: Any = None) -> list[dict[str, Any]]:
+            rows = await claim(limit, after)
+            if rows:
+                claimed_by_sweep.set()
+                await asyncio.sleep(0.5)
+            return rows
+
+        sweeper.claim = held_claim  # type: ignore[method-assign]
+        wait_until(claimed_by_sweep.is_set, 60, "a sweep that claimed jobs")
+        run.stop()
+        assert run.join() == 0
+    with engine.connect() as conn:
+        statuses = dict(
+            conn.execute(
+                table.select().with_only_columns(table.c.status, func.count()).group_by("status")
+            ).all()
+        )
+        workers = conn.exec_driver_sql(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE 'jobq worker %%'"
+        ).scalar_one()
+    assert "running" not in statuses, statuses
+    assert statuses.get("done", 0) == len(side.events())
+    assert workers == 0
