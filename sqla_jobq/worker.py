@@ -342,12 +342,12 @@ class Worker:
                 delay = min(delay * 2, RETRY_MAX)
                 continue
             delay = RETRY_START
-            await self._presence(self.claimer, self._beat)
-            if self.listener is not None:
-                self.listener.poke()
             for row in rows:
                 self._take(row)
             self._dispatch()
+            await self._presence(self.claimer, self._beat)  # after: jobs first
+            if self.listener is not None:
+                self.listener.poke()
             if len(rows) == want:
                 empty = 0
                 continue

@@ -6,11 +6,11 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqla_jobq.claim_cursor import HEAD_EVERY, HEAD_SHARE, SLOW_CLAIM, ClaimCursor
+from sqla_jobq.claim_cursor import HEAD_EVERY, HEAD_SHARE, SLOW_CLAIM, SLOW_FACTOR, ClaimCursor
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
-SLOW = SLOW_CLAIM * 2
 FAST = SLOW_CLAIM / 2
+SLOW = SLOW_CLAIM * SLOW_FACTOR * 2  # slow against FAST and against SLOW_CLAIM
 
 
 def row(job_id: int, priority: int = 0, seconds: int = 0) -> dict[str, Any]:
@@ -19,7 +19,9 @@ def row(job_id: int, priority: int = 0, seconds: int = 0) -> dict[str, Any]:
 
 def engaged_at(position_row: dict[str, Any], now: float = 0.0) -> ClaimCursor:
     cursor = ClaimCursor(enabled=True)
+    cursor.claimed([], FAST, from_head=True, now=now - HEAD_EVERY)  # the baseline
     cursor.claimed([position_row], SLOW, from_head=True, now=now)
+    assert cursor.engaged
     return cursor
 
 
@@ -100,3 +102,18 @@ def test_a_worker_of_several_queues_always_claims_from_the_head() -> None:
     cursor = ClaimCursor(enabled=False)
     cursor.claimed([row(1)], SLOW, from_head=True, now=0.0)
     assert cursor.after() is None and cursor.wake_by(0.1) is None
+
+
+def test_slow_is_judged_against_the_fastest_claim_from_the_head_seen() -> None:
+    """Over a network a claim's round trip alone may pass SLOW_CLAIM: what
+    counts is a claim much slower than this worker's fastest. (The very
+    first claim has nothing to be judged against but SLOW_CLAIM; a worker
+    that starts beside a held snapshot must still engage at once.)"""
+    far = SLOW_CLAIM * 2
+    cursor = ClaimCursor(enabled=True)
+    cursor.claimed([row(1)], far, from_head=True, now=0.0)
+    assert cursor.engaged
+    cursor.claimed([row(2)], far * 1.5, from_head=True, now=1.0)
+    assert not cursor.engaged
+    cursor.claimed([row(3)], far * SLOW_FACTOR, from_head=True, now=2.0)
+    assert cursor.engaged
