@@ -233,6 +233,13 @@ def _check_counts(priority: int, max_attempts: int) -> None:
 
 
 def check_job(job: NewJob) -> str:
+    """Check every field of a job; its payload, encoded."""
+    check_job_fields(job)
+    return encode_payload(job.payload)
+
+
+def check_job_fields(job: NewJob) -> None:
+    """Every check of `check_job` but the payload's."""
     if job.task is not None:
         check_text("task name", job.task)
     check_short_text("queue", job.queue)
@@ -240,7 +247,6 @@ def check_job(job: NewJob) -> str:
         check_short_text("unique_key", job.unique_key)
     _check_schedule(job.run_at, job.delay)
     _check_counts(job.priority, job.max_attempts)
-    return encode_payload(job.payload)
 
 
 def encode_result(result: Any) -> str:

@@ -70,7 +70,9 @@ from .job import (
     InvalidJob,
     NewJob,
     check_job,
+    check_job_fields,
     check_text,
+    encode_payload,
     encode_result,
     error_text,
 )
@@ -347,7 +349,30 @@ def copy_rows(
         return None  # decided before encoding anything: `enqueue_many` encodes them then
     if traceparent is not None:
         _check_traceparent(traceparent)
-    return [(r.task, check_job(r), r.queue, r.priority, r.max_attempts, traceparent) for r in rows]
+    checked: set[tuple[Any, ...]] = set()
+    copied: list[tuple[Any, ...]] = []
+    for r in rows:
+        _check_fields_once(r, checked)
+        payload = encode_payload(r.payload)
+        copied.append((r.task, payload, r.queue, r.priority, r.max_attempts, traceparent))
+    return copied
+
+
+def _check_fields_once(job: NewJob, checked: set[tuple[Any, ...]]) -> None:
+    """`check_job_fields`, once per distinct task, queue, priority and
+    max_attempts: a bulk enqueue repeats them for every row, and checking
+    them again would cost about as much as encoding the payload."""
+    # The types too: True == 1, but a bool priority must be refused.
+    kinds = (type(job.priority), type(job.max_attempts))
+    key: tuple[Any, ...] | None = (job.task, job.queue, job.priority, job.max_attempts, kinds)
+    try:
+        if key in checked:
+            return
+    except TypeError:  # unhashable, so not a str or an int: the check says so
+        key = None
+    check_job_fields(job)
+    if key is not None:
+        checked.add(key)
 
 
 def claim_columns(table: Table) -> tuple[ColumnElement[Any], ...]:

@@ -990,7 +990,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     def log(line: str) -> None:
         print(line, flush=True)
 
-    from ..runner import machine
+    from ..suite.runner import machine
 
     info = machine()
     versions = {"sqla_jobq": _ours_version()}
