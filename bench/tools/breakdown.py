@@ -35,9 +35,11 @@ def main(argv: list[str]) -> int:
     wakes: list[float] = []
     original = driver.Driver.claim
 
-    async def timed_claim(self: driver.Driver, limit: int) -> list[dict[str, Any]]:
+    async def timed_claim(
+        self: driver.Driver, limit: int, after: Any = None
+    ) -> list[dict[str, Any]]:
         sent = time.time()
-        rows = await original(self, limit)
+        rows = await original(self, limit, after)
         back = time.time()
         for row in rows:  # the driver hands payloads over as JSON text
             payload = json.loads(row["payload"])
