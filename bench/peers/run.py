@@ -831,7 +831,7 @@ class Report:
             f"{m['elapsed_s']:.0f} s. Machine: {m['nproc']} cores ({m['cpu_model']}), "
             f"PostgreSQL {m['postgresql']} on 127.0.0.1 (autovacuum {m['autovacuum']}), "
             f"load average {m['load_start']:.1f} at the start and {m['load_end']:.1f} at "
-            f"the end (other test suites running).",
+            f"the end.",
             "",
             f"Versions: sqla_jobq {v['sqla_jobq']}; pgqueuer {v['pgqueuer']} (asyncpg "
             f"{v['asyncpg']}, uvloop {v['uvloop']}); procrastinate {v['procrastinate']} "

@@ -150,7 +150,14 @@ def run(minutes: float, log: Any, rounds: int = 3) -> dict[str, Any]:
         ratios["4 x 8 direct --no-prepared / 4 x 8 direct"] = _ratio(
             per, "4 x 8 direct --no-prepared", "4 x 8"
         )
-    return {"settings": settings, "jobs": n, "rounds": rounds, "jobs_per_s": per, "ratios": ratios}
+    return {
+        "settings": settings,
+        "jobs": n,
+        "rounds": rounds,
+        "jobs_per_s": per,
+        "handed_back": back,
+        "ratios": ratios,
+    }
 
 
 def drained(cluster: base.Cluster, n: int, name: str) -> tuple[float, int]:
