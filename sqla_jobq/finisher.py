@@ -55,7 +55,8 @@ class Finisher:
     async def run(self) -> None:
         while True:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.kick.wait(), self._next_try())
+                async with asyncio.timeout(self._next_try()):
+                    await self.kick.wait()
             self.kick.clear()
             await self.flush()
 

@@ -52,7 +52,8 @@ class LeaseKeeper:
     async def run(self) -> None:
         while True:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.poke.wait(), self.tick)
+                async with asyncio.timeout(self.tick):
+                    await self.poke.wait()
             everyone = self.poke.is_set()
             self.poke.clear()
             await self.beat(everyone=everyone)

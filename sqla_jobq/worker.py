@@ -439,8 +439,11 @@ class Worker:
         if not interruptible:
             await asyncio.sleep(timeout or 0)
             return
+        # asyncio.timeout, not wait_for: wait_for wraps the wait in a task of
+        # its own, a turn of the loop more between a notification and the claim.
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.event.wait(), timeout)
+            async with asyncio.timeout(timeout):
+                await self.event.wait()
         self.event.clear()
 
     async def _maintain(self) -> None:

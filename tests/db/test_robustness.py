@@ -290,9 +290,9 @@ def _count_claims(run: Any) -> Callable[[], int]:
     claimer = run.worker.claimer
     original = claimer.claim
 
-    async def counted(limit: int) -> Any:
+    async def counted(limit: int, after: Any = None) -> Any:
         count[0] += 1
-        return await original(limit)
+        return await original(limit, after)
 
     done = threading.Event()
 
