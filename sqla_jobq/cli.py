@@ -501,7 +501,7 @@ def worker(
             help="Most jobs claimed ahead of free slots while jobs are short "
             "(about 10 ms of work); 0: off.",
         ),
-    ] = 64,
+    ] = 128,
     reconnect: Annotated[
         str | None,
         typer.Option(
