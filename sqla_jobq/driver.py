@@ -69,43 +69,48 @@ def _pairs(keys: Sequence[Key]) -> dict[str, list[int]]:
     return {"ids": [k[0] for k in keys], "attempts": [k[1] for k in keys]}
 
 
-class Driver:
-    """One autocommit connection running the compiled lifecycle statements."""
+def lifecycle_statements(
+    table: Table, queues: Sequence[str], lease: timedelta
+) -> dict[str, Compiled]:
+    """Every statement a worker's drivers run, compiled once for all of them."""
+    queue: statements.Queues = queues[0] if len(queues) == 1 else list(queues)
+    none: list[Key] = []
+    sql = {
+        "claim": Compiled.of(statements.claim(table, queue=queue, lease=lease)),
+        "next_run_at_future": Compiled.of(
+            statements.next_run_at(table, queue=queue, future_only=True)
+        ),
+        "complete": Compiled.of(statements.complete_many(table, none)),
+        "complete_results": Compiled.of(statements.complete_many(table, none, [])),
+        "complete_skipping": Compiled.of(statements.complete_many(table, none, skip_locked=True)),
+        "complete_results_skipping": Compiled.of(
+            statements.complete_many(table, none, [], skip_locked=True)
+        ),
+        "fates": Compiled.of(statements.fates(table, none)),
+        "fail": Compiled.of(statements.fail(table, 0, 0, "")),
+        "extend_leases": Compiled.of(statements.extend_leases(table, none, lease)),
+        "hand_back": Compiled.of(statements.release_many(table, none, refund=False)),
+        "refund": Compiled.of(statements.release_many(table, none, refund=True)),
+        "reap": Compiled.of(statements.reap(table)),
+        "next_run_at": Compiled.of(statements.next_run_at(table, queue=queue)),
+        "prune": Compiled.of(statements.prune(table, older_than=timedelta(0))),
+        "limited": Compiled.of(queue_statements.limited(table, list(queues))),
+    }
+    if isinstance(queue, str):
+        after = statements.claim(table, queue=queue, lease=lease, after=True)
+        sql["claim_after"] = Compiled.of(after)
+    return sql
 
-    def __init__(
-        self, url: str, table: Table, queues: Sequence[str], lease: timedelta, prepared: bool
-    ) -> None:
+
+class Driver:
+    """One autocommit connection running the compiled lifecycle statements
+    (`lifecycle_statements`, shared by a worker's drivers)."""
+
+    def __init__(self, url: str, sql: Mapping[str, Compiled], prepared: bool) -> None:
         self.url = conninfo(url)
         self.prepared = prepared
         self._conn: psycopg.AsyncConnection[Row] | None = None
-        queue: statements.Queues = queues[0] if len(queues) == 1 else list(queues)
-        none: list[Key] = []
-        self.sql = {
-            "claim": Compiled.of(statements.claim(table, queue=queue, lease=lease)),
-            "next_run_at_future": Compiled.of(
-                statements.next_run_at(table, queue=queue, future_only=True)
-            ),
-            "complete": Compiled.of(statements.complete_many(table, none)),
-            "complete_results": Compiled.of(statements.complete_many(table, none, [])),
-            "complete_skipping": Compiled.of(
-                statements.complete_many(table, none, skip_locked=True)
-            ),
-            "complete_results_skipping": Compiled.of(
-                statements.complete_many(table, none, [], skip_locked=True)
-            ),
-            "fates": Compiled.of(statements.fates(table, none)),
-            "fail": Compiled.of(statements.fail(table, 0, 0, "")),
-            "extend_leases": Compiled.of(statements.extend_leases(table, none, lease)),
-            "hand_back": Compiled.of(statements.release_many(table, none, refund=False)),
-            "refund": Compiled.of(statements.release_many(table, none, refund=True)),
-            "reap": Compiled.of(statements.reap(table)),
-            "next_run_at": Compiled.of(statements.next_run_at(table, queue=queue)),
-            "prune": Compiled.of(statements.prune(table, older_than=timedelta(0))),
-            "limited": Compiled.of(queue_statements.limited(table, list(queues))),
-        }
-        if isinstance(queue, str):
-            after = statements.claim(table, queue=queue, lease=lease, after=True)
-            self.sql["claim_after"] = Compiled.of(after)
+        self.sql = sql
 
     @property
     def connected(self) -> bool:

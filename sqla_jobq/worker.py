@@ -40,7 +40,7 @@ from sqlalchemy.pool import NullPool
 from .attempt import Attempt, Cancel, Key, Outcome, State
 from .claim_cursor import ClaimCursor
 from .db import RETRY_MAX, RETRY_START, sqlalchemy_url
-from .driver import Driver
+from .driver import Driver, lifecycle_statements
 from .execute import Runner, timed_out
 from .finisher import Finisher
 from .joblog import JobLog
@@ -144,6 +144,7 @@ class Worker:
         self.queues = list(options.queues) or registry.queues or ["default"]
         leases = [t.lease for t in registry.tasks.values()] or [DEFAULT_LEASE]
         self.claim_lease = min(leases)
+        self.sql = lifecycle_statements(registry.table, self.queues, self.claim_lease)
         self.claimer = self._driver()
         self.finisher = Finisher(self._driver(), self._settled)
         self.leases = LeaseKeeper(
@@ -194,9 +195,7 @@ class Worker:
         self.sweep: asyncio.Task[None] | None = None
 
     def _driver(self) -> Driver:
-        o = self.options
-        table = self.registry.table
-        return Driver(o.database_url, table, self.queues, self.claim_lease, o.prepared)
+        return Driver(self.options.database_url, self.sql, self.options.prepared)
 
     async def run(self, *, handle_signals: bool = True) -> int:
         """Work until stopped (or, with `burst`, until nothing is ready); exit status.
