@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from .attempt import Attempt
 from .logs import LINES
 
 log = logging.getLogger("sqla_jobq.worker")
@@ -25,11 +26,12 @@ class JobLog:
     def __init__(self) -> None:
         self.lines: list[str] = []
 
-    def add(self, described: str, seconds: float, outcome: str) -> None:
+    def add(self, attempt: Attempt, seconds: float, outcome: str) -> None:
         if not log.isEnabledFor(logging.INFO):
-            return
+            return  # before any formatting: at WARNING a job costs this check alone
         if not self.lines:
             asyncio.get_running_loop().call_soon(self.flush)
+        described = attempt.describe()
         self.lines.append(f"{described} duration={seconds * 1000:.1f}ms outcome={outcome}")
 
     def flush(self) -> None:

@@ -633,7 +633,7 @@ class Worker:
         self.processed += 1
         started = attempt.started_at or attempt.claimed_at
         took = time.monotonic() - started
-        self.job_log.add(attempt.describe(), took, outcome)
+        self.job_log.add(attempt, took, outcome)
         for observer in self.observers:
             queue = attempt.row["queue"]
             _quietly(observer.settled, queue, attempt.task_name, kind or outcome, took)
