@@ -443,10 +443,10 @@ def claim(
         name = bindparam("queue", check_text("queue", queue), type_=Text)
         slots = func.least(take, _slots(table, name))
         if after:
-            ready = _ready(table, and_(c.queue == name, *_past_position(table)), slots, clock)
             # Within one priority: ordering by it too would make a prepared
             # statement's generic plan sort (it cannot see the priority is fixed).
-            ready = ready.order_by(None).order_by(c.run_at, c.id)
+            where = and_(c.queue == name, *_past_position(table))
+            ready = _ready(table, where, slots, clock, order=(c.run_at, c.id))
         else:
             ready = _ready(table, c.queue == name, slots, clock)
     elif after:
@@ -472,13 +472,15 @@ def _ready(
     cap: ColumnElement[int],
     clock: ColumnElement[Any],
     *columns: ColumnElement[Any],
+    order: Sequence[ColumnElement[Any]] = (),
 ) -> Select[Any]:
-    """The first `cap` ready jobs `where` says, locked, skipping rows others hold."""
+    """The first `cap` ready jobs `where` says, locked, skipping rows others
+    hold, in claim order (or `order`)."""
     c = table.c
     return (
         select(*(columns or (c.id,)))
         .where(where, status_is(c.status, "queued"), c.run_at <= clock)
-        .order_by(c.priority.desc(), c.run_at, c.id)
+        .order_by(*(order or (c.priority.desc(), c.run_at, c.id)))
         .limit(cap)
         .with_for_update(skip_locked=True)
     )
