@@ -12,6 +12,7 @@ array INSERT of `statements.enqueue_many`, which serves every other case.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import Any
 
 import psycopg
@@ -33,6 +34,8 @@ __all__ = [
     "enqueue_async",
     "enqueue_many",
     "enqueue_many_async",
+    "enqueue_payloads",
+    "enqueue_payloads_async",
 ]
 
 Executor = Connection | Session
@@ -84,6 +87,20 @@ def enqueue_many(conn: Executor, table: Table, rows: Iterable[NewJob]) -> list[i
     return ids
 
 
+def enqueue_payloads(
+    conn: Executor, table: Table, job: NewJob, payloads: Iterable[Any]
+) -> list[int]:
+    """`enqueue_many` of one job per payload, every other field taken from
+    `job`: a task's bulk enqueue, with the fields checked once, not per row."""
+    payloads = list(payloads)
+    if len(payloads) >= COPY_MIN_ROWS:
+        values = statements.copy_payload_rows(job, payloads, traceparent.current())
+        copied = _copy(conn, table, values)
+        if copied is not None:
+            return copied
+    return enqueue_many(conn, table, [replace(job, payload=p) for p in payloads])
+
+
 def _pages(
     table: Table, rows: list[NewJob], trace: str | None
 ) -> list[tuple[list[NewJob], Any]]:
@@ -109,13 +126,18 @@ def _copy_many(
     """The COPY path of `enqueue_many`, or None when it does not apply."""
     if len(rows) < COPY_MIN_ROWS:
         return None
-    values = statements.copy_rows(rows, trace)
+    return _copy(conn, table, statements.copy_rows(rows, trace))
+
+
+def _copy(conn: Executor, table: Table, values: list[tuple[Any, ...]] | None) -> list[int] | None:
+    """COPY `values` (rows of `statements.copy_rows`) into `table`, their ids
+    drawn first; None when they need the INSERT or `conn` is not psycopg's."""
     connection = conn.connection() if isinstance(conn, Session) else conn
     driver = connection.connection.driver_connection
     if values is None or not isinstance(driver, psycopg.Connection):
         return None
     # Through SQLAlchemy, so its transaction begins here if it had not yet.
-    ids = _expand(conn.execute(statements.reserve_ids(table, len(rows))).all())
+    ids = _expand(conn.execute(statements.reserve_ids(table, len(values))).all())
     command = statements.copy_command(table)
     try:
         with driver.cursor() as cur, cur.copy(command) as copy:
@@ -132,12 +154,18 @@ async def _copy_many_async(
     """`_copy_many` on an `AsyncConnection` or `AsyncSession`."""
     if len(rows) < COPY_MIN_ROWS:
         return None
-    values = statements.copy_rows(rows, trace)
+    return await _copy_async(conn, table, statements.copy_rows(rows, trace))
+
+
+async def _copy_async(
+    conn: AsyncExecutor, table: Table, values: list[tuple[Any, ...]] | None
+) -> list[int] | None:
+    """`_copy` on an `AsyncConnection` or `AsyncSession`."""
     connection = await conn.connection() if isinstance(conn, AsyncSession) else conn
     driver = (await connection.get_raw_connection()).driver_connection
     if values is None or not isinstance(driver, psycopg.AsyncConnection):
         return None
-    ids = _expand((await conn.execute(statements.reserve_ids(table, len(rows)))).all())
+    ids = _expand((await conn.execute(statements.reserve_ids(table, len(values)))).all())
     command = statements.copy_command(table)
     try:
         async with driver.cursor() as cur, cur.copy(command) as copy:
@@ -191,6 +219,19 @@ async def enqueue_many_async(
             found = _filled(found, missing, again.scalars())
         ids += _ids(found)
     return ids
+
+
+async def enqueue_payloads_async(
+    conn: AsyncExecutor, table: Table, job: NewJob, payloads: Iterable[Any]
+) -> list[int]:
+    """`enqueue_payloads` on an `AsyncConnection` or `AsyncSession`."""
+    payloads = list(payloads)
+    if len(payloads) >= COPY_MIN_ROWS:
+        values = statements.copy_payload_rows(job, payloads, traceparent.current())
+        copied = await _copy_async(conn, table, values)
+        if copied is not None:
+            return copied
+    return await enqueue_many_async(conn, table, [replace(job, payload=p) for p in payloads])
 
 
 def complete_in(conn: Executor, table: Table, job: Job, result: Any = None) -> None:

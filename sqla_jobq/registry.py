@@ -80,7 +80,7 @@ class Task(Generic[P, R]):
         Only the shape is checked here; the statements check (and encode) the
         JSON itself, once, before any SQL is sent.
         """
-        if not isinstance(payload, Mapping):
+        if type(payload) is not dict and not isinstance(payload, Mapping):
             raise InvalidJob(
                 f"payload for task {self.name} must be a JSON object of keyword arguments, "
                 f"not {type(payload).__name__}"
@@ -315,7 +315,10 @@ class Registry:
     ) -> list[int] | Awaitable[list[int]]:
         """Enqueue one job per keyword-argument mapping, ids in input order."""
         task = self.require(task_name)
-        rows = [task.new_job(kwargs) for kwargs in calls]
+        job = NewJob(
+            task.name, queue=task.queue, priority=task.priority, max_attempts=task.max_attempts
+        )
+        payloads = [task.check_payload(kwargs) for kwargs in calls]
         if isinstance(conn, AsyncConnection | AsyncSession):
-            return client.enqueue_many_async(conn, self.table, rows)
-        return client.enqueue_many(conn, self.table, rows)
+            return client.enqueue_payloads_async(conn, self.table, job, payloads)
+        return client.enqueue_payloads(conn, self.table, job, payloads)

@@ -94,6 +94,7 @@ __all__ = [
     "complete",
     "complete_many",
     "copy_command",
+    "copy_payload_rows",
     "copy_rows",
     "enqueue",
     "enqueue_many",
@@ -356,6 +357,24 @@ def copy_rows(
         payload = encode_payload(r.payload)
         copied.append((r.task, payload, r.queue, r.priority, r.max_attempts, traceparent))
     return copied
+
+
+def copy_payload_rows(
+    job: NewJob, payloads: Iterable[Any], traceparent: str | None = None
+) -> list[tuple[Any, ...]] | None:
+    """`copy_rows` for jobs that differ only in their payload: `job`'s fields,
+    checked once, with each payload in turn. A task's bulk enqueue is this
+    case, and building a `NewJob` per row would cost more than encoding it."""
+    if job.unique_key is not None or job.run_at is not None or job.delay is not None:
+        return None
+    check_job_fields(job)
+    if traceparent is not None:
+        _check_traceparent(traceparent)
+    task, queue, priority, max_attempts = job.task, job.queue, job.priority, job.max_attempts
+    return [
+        (task, encode_payload(payload), queue, priority, max_attempts, traceparent)
+        for payload in payloads
+    ]
 
 
 def _check_fields_once(job: NewJob, checked: set[tuple[Any, ...]]) -> None:

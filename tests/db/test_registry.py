@@ -239,21 +239,25 @@ def test_enqueue_with_schedule_and_unique_key(
     assert by_id[keyed].payload == {"x": 3} and len(by_id) == 3
 
 
+@pytest.mark.parametrize("size", [5, 1500], ids=["array insert", "copy"])
 def test_enqueue_many_returns_ids_in_input_order(
-    registry: Registry, database_url: str, engine: Engine, table: Table
+    registry: Registry, database_url: str, engine: Engine, table: Table, size: int
 ) -> None:
-    task = registry.task(plain)
-    calls = [{"x": n} for n in (5, 3, 9, 1, 7)]
+    task = registry.task(plain, queue="bulk", priority=3, max_attempts=2)
+    calls = [{"x": (n * 7919) % size} for n in range(size)]
     with engine.begin() as conn:
         ids = registry.enqueue_many(conn, task.name, calls)
-    payloads = {r.id: r.payload for r in rows(engine, table)}
-    assert [payloads[i] for i in ids] == calls
+    stored = {r.id: r for r in rows(engine, table)}
+    assert [stored[i].payload for i in ids] == calls
+    assert {(r.task, r.queue, r.priority, r.max_attempts) for r in stored.values()} == {
+        (task.name, "bulk", 3, 2)
+    }
 
     async def main() -> list[int]:
         async_engine = create_async_engine(sqlalchemy_url(database_url), poolclass=NullPool)
         try:
             async with async_engine.begin() as conn:
-                pending = registry.enqueue_many(conn, task.name, [{"x": 2}, {"x": 0}])
+                pending = registry.enqueue_many(conn, task.name, calls[::-1])
                 assert inspect.isawaitable(pending)
                 return await pending
         finally:
@@ -261,7 +265,7 @@ def test_enqueue_many_returns_ids_in_input_order(
 
     more = asyncio.run(main())
     payloads = {r.id: r.payload for r in rows(engine, table)}
-    assert [payloads[i] for i in more] == [{"x": 2}, {"x": 0}]
+    assert [payloads[i] for i in more] == calls[::-1]
     with engine.begin() as conn:
         assert registry.enqueue_many(conn, task.name, []) == []
 
@@ -332,6 +336,10 @@ def test_enqueue_many_refuses_the_whole_batch_before_any_sql(
             registry.enqueue_many(conn, "nope", [{"x": 1}])
         with pytest.raises(InvalidJob, match="must be a JSON object"):
             registry.enqueue_many(conn, task.name, [[1]])  # type: ignore[list-item]
+        many: list[dict[str, Any]] = [{"x": n} for n in range(1500)]
+        many[1200] = {"x": math.nan}  # encoded only on the COPY path, still before any SQL
+        with pytest.raises(InvalidJob, match="not JSON-serialisable"):
+            registry.enqueue_many(conn, task.name, many)
         assert statements_sent[sent_before:] == []
     assert count(engine, table) == 0
 
