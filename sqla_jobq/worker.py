@@ -41,7 +41,7 @@ from .attempt import Attempt, Cancel, Key, Outcome, State
 from .claim_cursor import ClaimCursor
 from .db import RETRY_MAX, RETRY_START, sqlalchemy_url
 from .driver import Driver, lifecycle_statements
-from .execute import Runner, timed_out
+from .execute import Runner, outcome_now, timed_out
 from .finisher import Finisher
 from .joblog import JobLog
 from .leases import LeaseKeeper
@@ -516,20 +516,27 @@ class Worker:
             attempt.start()
             self.running[attempt.key] = attempt
             self._observe_start(attempt)
-            job_task = asyncio.create_task(self._execute(attempt))
+            job_task = asyncio.create_task(self._execute(attempt, self._start(attempt)))
             self.job_tasks.add(job_task)
             job_task.add_done_callback(self.job_tasks.discard)
         if self.ready and self.stall_check is None and not self.stopping:
             loop = asyncio.get_running_loop()
             self.stall_check = loop.call_later(STALL_SECONDS, self._check_stall)
 
-    async def _execute(self, attempt: Attempt) -> None:
+    def _start(self, attempt: Attempt) -> Callable[[], Awaitable[Outcome]]:
+        try:
+            return self.runner.start(attempt)
+        except Exception as exc:
+            return outcome_now(_internal_error(attempt, exc))
+
+    async def _execute(
+        self, attempt: Attempt, started: Callable[[], Awaitable[Outcome]]
+    ) -> None:
         timer = self._start_timeout(attempt)
         try:
-            outcome = await self.runner.run(attempt)
-        except Exception as exc:  # a bug of ours: still this attempt's failure alone
-            log.exception("%s: internal error", attempt.describe())
-            outcome = Outcome(error=f"{type(exc).__name__}: {exc}", exc=exc)
+            outcome = await started()
+        except Exception as exc:
+            outcome = _internal_error(attempt, exc)
         finally:
             if timer is not None:
                 timer.cancel()
@@ -735,6 +742,12 @@ class Worker:
             await self.transactions.dispose()
         self.threads.shutdown()
 
+
+
+def _internal_error(attempt: Attempt, exc: Exception) -> Outcome:
+    """A bug of ours, while running a job: still this attempt's failure alone."""
+    log.exception("%s: internal error", attempt.describe())
+    return Outcome(error=f"{type(exc).__name__}: {exc}", exc=exc)
 
 
 def _empty_backoff(empty: int) -> float:

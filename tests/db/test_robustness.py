@@ -20,7 +20,7 @@ import psycopg
 import pytest
 from sqlalchemy import Engine, Table
 
-from sqla_jobq import Registry, client, current_job, statements
+from sqla_jobq import Registry, client, current_job, execute, statements
 from sqla_jobq.db import conninfo
 from tests.support.inprocess import Side, burst, running
 from tests.support.rows import enqueue
@@ -144,6 +144,34 @@ def test_payload_python_cannot_decode_fails_alone_in_its_claimed_batch(
     assert found["status"] == "failed"
     assert found["last_error"].startswith("InvalidPayload: cannot decode the payload")
     assert all(row(raw, table, j)["status"] == "done" for j in oks)
+
+
+def test_a_bug_of_ours_while_starting_one_job_fails_that_attempt_alone(
+    engine: Engine,
+    table: Table,
+    raw: Raw,
+    side: Side,
+    database_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Plain handlers start inside the worker's dispatch, not in a task of
+    their own: an exception there must stay with its attempt, as one in the
+    task does, and not break the loop that dispatches the others."""
+    bug = enqueue(engine, table, "ok", max_attempts=1)
+    oks = [enqueue(engine, table, "ok") for _ in range(5)]
+    real = execute.prepare
+
+    def buggy(registry: Registry, attempt: Any) -> Any:
+        if attempt.key[0] == bug:
+            raise RuntimeError("a bug of ours")
+        return real(registry, attempt)
+
+    monkeypatch.setattr(execute, "prepare", buggy)
+    assert burst(hostile(table, side), database_url, concurrency=2) == 0
+    found = row(raw, table, bug)
+    assert (found["status"], found["last_error"]) == ("failed", "RuntimeError: a bug of ours")
+    assert all(row(raw, table, j)["status"] == "done" for j in oks)
+    assert sorted(e["job_id"] for e in side.events()) == oks
 
 
 def test_sync_wrapper_returning_a_coroutine_runs_its_body_before_done(
