@@ -8,7 +8,7 @@ from sqlalchemy.exc import OperationalError
 from .db import BadDatabaseURL
 from .job import InvalidJob
 from .migrations.check import SchemaError
-from .migrations.host import RevisionRefused
+from .migrations.refused import RevisionRefused
 
 
 class UsageError(ValueError):

@@ -15,9 +15,8 @@ Four ways in:
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Any
-
-from alembic import op
 
 from ..schema import Names, parse_version_comment, quote_ident
 from .check import LATEST, SchemaError, check_schema, missing_triggers, schema_version
@@ -41,7 +40,7 @@ def upgrade(version: int = LATEST, *, name: str = "jobs", schema: str | None = N
     Pin `version` in the revision (as Oban does) so the revision means the
     same thing after sqla_jobq is upgraded; a later revision raises it.
     """
-    names = Names(name, schema)
+    names, op = Names(name, schema), _op()
     if schema is not None:
         op.execute(f"CREATE SCHEMA IF NOT EXISTS {quote_ident(schema)}")
     for sql in up_statements(names, _current(names), version):
@@ -50,13 +49,22 @@ def upgrade(version: int = LATEST, *, name: str = "jobs", schema: str | None = N
 
 def downgrade(version: int = 0, *, name: str = "jobs", schema: str | None = None) -> None:
     """From a host's Alembic revision: take one queue table down to `version`."""
-    names = Names(name, schema)
+    names, op = Names(name, schema), _op()
     for sql in down_statements(names, _current(names), version):
         op.execute(sql)
 
 
 def _current(names: Names) -> int:
-    return schema_version(op.get_bind(), names)
+    return schema_version(_op().get_bind(), names)
+
+
+def _op() -> ModuleType:
+    """`alembic.op`, imported by the revisions that call this module's
+    helpers: the runtime check below this package must not import Alembic,
+    a sixth of a worker's start-up on its own."""
+    from alembic import op
+
+    return op
 
 
 def include_object(

@@ -23,11 +23,8 @@ from alembic.script.revision import RevisionError
 from alembic.util import CommandError, coerce_resource_to_filename, rev_id
 
 from .pins import pinned_version
+from .refused import RevisionRefused
 from .steps import LATEST
-
-
-class RevisionRefused(ValueError):
-    """`jobq alembic-revision` cannot write a revision here; the message says why."""
 
 PACKAGE = Path(__file__).resolve().parents[1]
 BRANCH_LOCATION = "sqla_jobq:migrations/versions"
