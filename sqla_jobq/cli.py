@@ -499,7 +499,7 @@ def worker(
         typer.Option(
             envvar="JOBQ_PREFETCH",
             help="Most jobs claimed ahead of free slots while jobs are short "
-            "(about 10 ms of work); 0: off.",
+            "(about 50 ms of work); 0: off.",
         ),
     ] = 128,
     reconnect: Annotated[
