@@ -1,14 +1,24 @@
 """Many workers: 4 processes x `-c 8` against 1 process x `-c 32` on the same jobs.
 
-On a throwaway cluster (autovacuum on, default settings). Each contender
-drains the same freshly filled queue (TRUNCATE, 20,000 ready no-op jobs,
-VACUUM ANALYZE, CHECKPOINT) with `jobq worker --burst --log-level WARNING`;
-the rate comes from the server (first claim to last completion), and every job
-must be done, claimed once apart from claims handed back unstarted (see
+On a throwaway cluster (autovacuum on, default settings), each contender
+drains 20,000 no-op jobs with `jobq worker --log-level WARNING`, two ways:
+
+* **running** (the figure of issue 13): the workers are started on an empty
+  queue and are up (each has its row in the worker registry) when one INSERT
+  of all the jobs commits; its NOTIFY wakes them all at once. This is the
+  throughput of workers that run for months: SKIP LOCKED contention, NOTIFY
+  fan-out, heartbeats and reaping count, a process's start-up does not.
+* **burst, from start-up**: `--burst` workers started on a filled queue
+  (TRUNCATE, the jobs, VACUUM ANALYZE, CHECKPOINT). Every process pays its
+  own start-up (about 1.3 s of CPU here, mostly imports), and on 2 cores
+  the processes still starting take CPU from those already draining.
+
+The rate comes from the server (first claim to last completion), and every
+job must be done, claimed once apart from claims handed back unstarted (see
 `drained`: with several burst workers a few dozen jobs per drain are handed
 back and claimed again; a run with a per-execution stamp file found every job
-executed exactly once). Rounds are interleaved; each ratio is the
-median of the per-round ratios.
+executed exactly once). Rounds are interleaved; each ratio is the median of
+the per-round ratios.
 
 If `/usr/sbin/pgbouncer` exists, two more contenders: the same 4 x 8 through
 PgBouncer in transaction mode (`--no-prepared`, `--listen-url` straight to
@@ -110,16 +120,16 @@ def run(minutes: float, log: Any, rounds: int = 3) -> dict[str, Any]:
         settings = cluster.settings()
         direct = cluster.url()
         contenders: dict[str, list[list[str]]] = {
-            "1 x 32": [base.worker_cmd(direct, 32, burst=True)],
-            "4 x 8": [base.worker_cmd(direct, 8, burst=True) for _ in range(4)],
+            "1 x 32": [base.worker_cmd(direct, 32)],
+            "4 x 8": [base.worker_cmd(direct, 8) for _ in range(4)],
         }
         if bouncer_url:
             contenders["4 x 8 via PgBouncer"] = [
-                base.worker_cmd(bouncer_url, 8, "--no-prepared", "--listen-url", direct, burst=True)
+                base.worker_cmd(bouncer_url, 8, "--no-prepared", "--listen-url", direct)
                 for _ in range(4)
             ]
             contenders["4 x 8 direct --no-prepared"] = [
-                base.worker_cmd(direct, 8, "--no-prepared", burst=True) for _ in range(4)
+                base.worker_cmd(direct, 8, "--no-prepared") for _ in range(4)
             ]
         log(
             f"many workers: {n:,} no-op jobs per drain, {rounds} rounds interleaved; "
@@ -127,21 +137,32 @@ def run(minutes: float, log: Any, rounds: int = 3) -> dict[str, Any]:
         )
         bench = cluster.bench()
         common.fill(bench, min(n, 5_000))  # untimed warm-up
-        common.run_children(contenders["1 x 32"], timeout=600)
-        per: dict[str, list[float]] = {name: [] for name in contenders}
-        back: dict[str, list[int]] = {name: [] for name in contenders}
+        bursts = {
+            "burst 1 x 32": [[*cmd, "--burst"] for cmd in contenders["1 x 32"]],
+            "burst 4 x 8": [[*cmd, "--burst"] for cmd in contenders["4 x 8"]],
+        }
+        common.run_children(bursts["burst 1 x 32"], timeout=600)
+        per: dict[str, list[float]] = {name: [] for name in [*contenders, *bursts]}
+        back: dict[str, list[int]] = {name: [] for name in per}
         for r in range(rounds):
             for name, cmds in contenders.items():
+                rate, handed_back = _running(cluster, n, name, cmds)
+                per[name].append(rate)
+                back[name].append(handed_back)
+                log(f"  round {r + 1} {name:<34} {rate:>9,.0f} jobs/s  ({handed_back} handed back)")
+            for name, cmds in bursts.items():
                 common.fill(bench, n)
                 common.run_children(cmds, timeout=600)
                 rate, handed_back = drained(cluster, n, name)
                 per[name].append(rate)
                 back[name].append(handed_back)
-                log(
-                    f"  round {r + 1} {name:<28} {rate:>9,.0f} jobs/s  "
-                    f"({handed_back} jobs handed back unstarted and claimed again)"
-                )
-    ratios = {"4 x 8 / 1 x 32": _ratio(per, "4 x 8", "1 x 32")}
+                log(f"  round {r + 1} {name:<34} {rate:>9,.0f} jobs/s  ({handed_back} handed back)")
+    ratios = {
+        "4 x 8 / 1 x 32": _ratio(per, "4 x 8", "1 x 32"),
+        "burst 4 x 8 / burst 1 x 32 (start-up included)": _ratio(
+            per, "burst 4 x 8", "burst 1 x 32"
+        ),
+    }
     if "4 x 8 via PgBouncer" in per:
         ratios["4 x 8 via PgBouncer / 4 x 8 direct"] = _ratio(per, "4 x 8 via PgBouncer", "4 x 8")
         ratios["4 x 8 via PgBouncer / 4 x 8 direct --no-prepared"] = _ratio(
@@ -189,6 +210,33 @@ def drained(cluster: base.Cluster, n: int, name: str) -> tuple[float, int]:
 @contextmanager
 def _none() -> Iterator[None]:
     yield None
+
+
+def _running(
+    cluster: base.Cluster, n: int, name: str, cmds: list[list[str]]
+) -> tuple[float, int]:
+    """Jobs/s of workers already up and idle when `n` jobs arrive in one commit."""
+    with cluster.connect() as conn:
+        conn.execute("TRUNCATE jobs, jobs_workers")
+        conn.execute("VACUUM ANALYZE jobs")
+        conn.execute("CHECKPOINT")
+    with base.workers(cmds), cluster.connect() as conn:
+        _wait(conn, "SELECT count(*) >= %s FROM jobs_workers", len(cmds), what="workers up")
+        conn.execute(
+            "INSERT INTO jobs (task, payload) SELECT 'noop', '{}'::jsonb "
+            "FROM generate_series(1, %s)",
+            (n,),
+        )
+        _wait(conn, "SELECT count(*) = 0 FROM jobs WHERE status <> 'done'", what=f"{name} done")
+    return drained(cluster, n, name)
+
+
+def _wait(conn: psycopg.Connection[Any], sql: str, *args: Any, what: str) -> None:
+    deadline = time.monotonic() + 600
+    while not (row := conn.execute(sql, args or None).fetchone()) or not row[0]:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out waiting for {what}")
+        time.sleep(0.05)
 
 
 def _ratio(per: dict[str, list[float]], a: str, b: str) -> float:
