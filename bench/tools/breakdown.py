@@ -1,110 +1,183 @@
 """Where pickup latency goes: `python -m bench.tools.breakdown [JOBS]`.
 
-Not part of the suite: it runs the worker in this process (non-burst, LISTEN
-active) with its claim and its wake-up timed, enqueues JOBS `stamp` jobs one
-at a time from a thread, and prints, from COMMIT sent, when the worker was
-woken (the notification arrived), when its claim was sent, when the claim
-returned and when the handler started.
+Not part of the suite. The worker runs in this process (non-burst, LISTEN
+active) with its wake-up, its claim and its hand-over to a handler thread
+timed; a producer in a process of its own commits JOBS `stamp` jobs one at a
+time, and after each, 8 ms later, one row into a second table, which a raw
+baseline in a third process hears with a blocking LISTEN and claims with the
+worker's own claim statement. The jobs of the two never overlap, so neither
+pays for the other's CPU. Prints, from COMMIT sent, when each stage was
+reached (p50 and p90), and the baseline's notification and claim.
 """
 
 from __future__ import annotations
 
 import asyncio
 import bisect
-import json
 import os
+import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import create_engine
-from sqlalchemy.pool import NullPool
-
-from sqla_jobq import driver
+from sqla_jobq import driver, threads
 from sqla_jobq.worker import Worker, WorkerOptions
 
 from .. import common, tasks
 
+GAP = 0.008  # between a job of ours and the baseline's, and on to the next job
+FLOOR = "jobs_floor"
 
-def main(argv: list[str]) -> int:
-    count = int(argv[0]) if argv else 200
-    claims: dict[int, tuple[float, float]] = {}
-    wakes: list[float] = []
+PRODUCER = """
+import json, sys, time, psycopg
+dsn, count, out, gap, floor = sys.argv[1:]
+count, gap = int(count), float(gap)
+conn = psycopg.connect(dsn)
+time.sleep(2.0)
+lines = []
+for seq in range(-20, count):  # the first 20 warm up
+    for table in ("jobs", floor):
+        conn.execute(
+            f"INSERT INTO {table} (task, payload) VALUES ('stamp', %s::jsonb)",
+            (json.dumps({"seq": seq}),),
+        )
+        sent = time.time()
+        conn.commit()
+        lines.append(f"{table} {seq} {sent:.6f}")
+        time.sleep(gap)
+open(out, "w").write("\\n".join(lines))
+"""
+
+BASELINE = """
+import json, sys, time, psycopg
+from datetime import timedelta
+from sqlalchemy import MetaData
+from sqla_jobq.driver import Compiled
+from sqla_jobq.schema import jobs_table
+from sqla_jobq.statements import claim
+dsn, out, count, floor = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+table = jobs_table(MetaData(), floor)
+stmt = Compiled.of(claim(table, queue="default", lease=timedelta(minutes=5)))
+params = stmt.params(limit=8)
+listener = psycopg.connect(dsn, autocommit=True)
+claimer = psycopg.connect(dsn, autocommit=True, prepare_threshold=0)
+listener.execute(f'LISTEN "public.{floor}"')
+lines = []
+for _ in listener.notifies():
+    heard = time.time()
+    rows = claimer.execute(stmt.sql, params).fetchall()
+    claimed = time.time()
+    for row in rows:
+        payload = row[3] if isinstance(row[3], dict) else json.loads(row[3])
+        lines.append(f"{payload['seq']} {heard:.6f} {claimed:.6f}")
+    if len(lines) >= count:
+        break
+open(out, "w").write("\\n".join(lines))
+"""
+
+
+def _timed(marks: list[float], call: Callable[..., Any]) -> Callable[..., Any]:
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        marks.append(time.time())
+        return call(*args, **kwargs)
+
+    return timed
+
+
+def _instrument(claims: list[tuple[float, float]], handed: list[float]) -> None:
     original = driver.Driver.claim
 
-    async def timed_claim(
-        self: driver.Driver, limit: int, after: Any = None
-    ) -> list[dict[str, Any]]:
+    async def timed_claim(self: driver.Driver, limit: int, after: Any = None) -> list[Any]:
         sent = time.time()
         rows = await original(self, limit, after)
-        back = time.time()
-        for row in rows:  # the driver hands payloads over as JSON text
-            payload = json.loads(row["payload"])
-            if isinstance(payload, dict) and "seq" in payload:
-                claims[payload["seq"]] = (sent, back)
+        if rows:
+            claims.append((sent, time.time()))
         return rows
 
     driver.Driver.claim = timed_claim  # type: ignore[method-assign]
+    threads.HandlerThreads.run = _timed(handed, threads.HandlerThreads.run)  # type: ignore[method-assign]
+
+
+def main(argv: list[str]) -> int:
+    count = int(argv[0]) if argv else 200
+    wakes: list[float] = []
+    claims: list[tuple[float, float]] = []
+    handed: list[float] = []
+    _instrument(claims, handed)
     with common.scratch_database(common.Sizes(), 1) as bench, tempfile.TemporaryDirectory() as tmp:
         common.create_table(bench)
-        stamps = Path(tmp) / "stamps"
-        os.environ["JOBQ_BENCH_STAMPS"] = str(stamps)
+        common.create_table(bench, FLOOR)
+        files = {name: Path(tmp) / name for name in ("stamps", "sent", "baseline")}
+        os.environ["JOBQ_BENCH_STAMPS"] = str(files["stamps"])
+        env = common.child_env()
+        listen = [str(files["baseline"]), str(count + 20), FLOOR]
+        baseline = subprocess.Popen([sys.executable, "-c", BASELINE, bench.dsn, *listen], env=env)
+        produce = [str(count), str(files["sent"]), str(GAP), FLOOR]
+        producer = subprocess.Popen([sys.executable, "-c", PRODUCER, bench.dsn, *produce], env=env)
         worker = Worker(
             tasks.registry,
             WorkerOptions(database_url=bench.url, concurrency=8, poll_interval=60),
         )
-        wake = worker.wake
+        worker.wake = _timed(wakes, worker.wake)  # type: ignore[method-assign]
 
-        def timed_wake() -> None:
-            wakes.append(time.time())
-            wake()
-
-        worker.wake = timed_wake  # type: ignore[method-assign]
-        sent: dict[int, float] = {}
-
-        def enqueue() -> None:
-            time.sleep(1.0)
-            engine = create_engine(bench.url, poolclass=NullPool)
-            with engine.connect() as conn:
-                for seq in range(-20, count):  # the first 20 warm up
-                    trans = conn.begin()
-                    tasks.stamp.enqueue(conn, seq=seq)
-                    sent[seq] = time.time()
-                    trans.commit()
-                    time.sleep(0.015)
-            engine.dispose()
+        def stop_when_done() -> None:
+            producer.wait()
+            baseline.wait()
             time.sleep(0.5)
             worker.stop()
 
-        thread = threading.Thread(target=enqueue)
-        thread.start()
+        threading.Thread(target=stop_when_done, daemon=True).start()
         asyncio.run(worker.run(handle_signals=False))
-        thread.join()
-        started = {
-            int(seq): float(at)
-            for seq, at in (ln.split() for ln in stamps.read_text().splitlines())
-        }
+        if producer.returncode or baseline.returncode:
+            print("the producer or the baseline failed", file=sys.stderr)
+            return 1
+        sent: dict[tuple[str, int], float] = {}
+        for line in files["sent"].read_text().splitlines():
+            table, job, at = line.split()
+            sent[(table, int(job))] = float(at)
+        started = _pairs(files["stamps"])
+        floor: dict[int, tuple[float, float]] = {}
+        for line in files["baseline"].read_text().splitlines():
+            job, heard, claimed = line.split()
+            floor[int(job)] = (float(heard), float(claimed))
     stages: dict[str, list[float]] = {
-        "notification (worker woken)": [],
-        "claim sent": [],
-        "claim returned": [],
-        "handler started": [],
+        "baseline: notification": [],
+        "baseline: claim returned": [],
+        "ours: worker woken": [],
+        "ours: claim sent": [],
+        "ours: claim returned": [],
+        "ours: handler thread woken": [],
+        "ours: handler started": [],
     }
+    claims.sort()
     for seq in range(count):
-        t0 = sent[seq]
-        woken = wakes[min(bisect.bisect_left(wakes, t0), len(wakes) - 1)]
-        values: list[Any] = [woken, *claims[seq], started[seq]]
-        for name, at in zip(stages, values, strict=True):
-            stages[name].append((at - t0) * 1000)
-    print(f"{count} jobs, ms after COMMIT was sent (one job at a time, 15 ms apart):")
+        t0, f0 = sent[("jobs", seq)], sent[(FLOOR, seq)]
+        i = bisect.bisect_left(claims, (t0, 0.0))
+        claim = claims[i] if i < len(claims) else (float("nan"), float("nan"))
+        ours = [_next(wakes, t0), *claim, _next(handed, t0), started[seq]]
+        values = [floor[seq][0] - f0, floor[seq][1] - f0, *(at - t0 for at in ours)]
+        for name, value in zip(stages, values, strict=True):
+            stages[name].append(value * 1000)
+    print(f"{count} jobs, ms after COMMIT was sent (ours and the baseline's interleaved):")
     print(f"  {'stage':<30} {'p50':>7} {'p90':>7}")
     for name, values in stages.items():
         p50, p90 = common.percentile(values, 50), common.percentile(values, 90)
         print(f"  {name:<30} {p50:7.2f} {p90:7.2f}")
     return 0
+
+
+def _pairs(path: Path) -> dict[int, float]:
+    return {int(a): float(b) for a, b in (ln.split() for ln in path.read_text().splitlines())}
+
+
+def _next(marks: list[float], after: float) -> float:
+    ordered = sorted(marks)
+    i = bisect.bisect_left(ordered, after)
+    return ordered[i] if i < len(ordered) else float("nan")
 
 
 if __name__ == "__main__":
