@@ -34,6 +34,20 @@ class Refused(Exception):
     """A job that cannot be run at all: its failure is recorded without a call."""
 
 
+class OnThread:
+    """A plain handler handed to a handler thread by `Runner.start`."""
+
+    __slots__ = ("context", "future")
+
+    def __init__(self, future: asyncio.Future[Captured], context: contextvars.Context) -> None:
+        self.future = future
+        self.context = context
+
+
+# What `Runner.start` returns: a plain handler's thread, or an outcome to await.
+Started = OnThread | Callable[[], Awaitable[Outcome]]
+
+
 class Runner:
     def __init__(
         self,
@@ -47,13 +61,14 @@ class Runner:
         self.observers = list(observers)
         self.transactions = transactions
 
-    def start(self, attempt: Attempt) -> Callable[[], Awaitable[Outcome]]:
-        """Start the attempt's handler; the returned function gives its outcome
-        to await, which never raises for anything the job does.
+    def start(self, attempt: Attempt) -> Started:
+        """Start the attempt's handler: for a plain one, the thread it was
+        handed to (`OnThread`, then `after_thread`); otherwise a function
+        giving its outcome to await. Neither raises for anything the job does.
 
         A plain handler is handed to a thread here and now, so the thread wakes
         while the worker's loop goes on with its turn, rather than a turn
-        later when the task awaiting it first runs: that turn was a tenth of an
+        later when a task awaiting it first runs: that turn was a tenth of an
         idle worker's pickup latency. An async handler starts when awaited.
         """
         try:
@@ -68,8 +83,20 @@ class Runner:
             return lambda: self._outcome(attempt, _on_loop(attempt, context, work()))
         if self.observers:
             call = functools.partial(self._observed, job, attempt.row, call)
-        handed = self.threads.run(functools.partial(context.run, call))
-        return lambda: self._outcome(attempt, _from_thread(attempt, context, handed))
+        return OnThread(self.threads.run(functools.partial(context.run, call)), context)
+
+    def after_thread(
+        self, attempt: Attempt, on_thread: OnThread
+    ) -> Outcome | Callable[[], Awaitable[Outcome]]:
+        """The outcome of a plain handler whose thread has finished; or, if it
+        returned an awaitable (a decorator around an `async def` hides it from
+        iscoroutinefunction), the outcome of running that, to await: the work
+        is in the awaitable, so it runs rather than being dropped unawaited."""
+        captured = on_thread.future.result()
+        if captured.error is None and inspect.isawaitable(captured.value):
+            work = captured.value
+            return lambda: self._outcome(attempt, _on_loop(attempt, on_thread.context, work))
+        return outcome_of(attempt, captured)
 
     async def _outcome(self, attempt: Attempt, captured: Awaitable[Captured]) -> Outcome:
         return outcome_of(attempt, await captured)
@@ -109,18 +136,6 @@ def outcome_now(outcome: Outcome) -> Callable[[], Awaitable[Outcome]]:
         return outcome
 
     return now
-
-
-async def _from_thread(
-    attempt: Attempt, context: contextvars.Context, handed: asyncio.Future[Captured]
-) -> Captured:
-    captured = await handed
-    if captured.error is None and inspect.isawaitable(captured.value):
-        # A plain function that returned an awaitable (a decorator around
-        # an `async def` hides it from iscoroutinefunction): the work is
-        # in the awaitable, so run it here rather than drop it unawaited.
-        return await _on_loop(attempt, context, captured.value)
-    return captured
 
 
 async def _invoke(call: Callable[[], Any]) -> Any:

@@ -21,6 +21,7 @@ import pytest
 from sqlalchemy import Engine, Table
 
 from sqla_jobq import Registry, client, current_job, execute, statements
+from sqla_jobq.attempt import Attempt
 from sqla_jobq.db import conninfo
 from tests.support.inprocess import Side, burst, running
 from tests.support.rows import enqueue
@@ -146,7 +147,9 @@ def test_payload_python_cannot_decode_fails_alone_in_its_claimed_batch(
     assert all(row(raw, table, j)["status"] == "done" for j in oks)
 
 
-def test_a_bug_of_ours_while_starting_one_job_fails_that_attempt_alone(
+@pytest.mark.parametrize("where", ["prepare", "outcome_of"])
+def test_a_bug_of_ours_around_one_plain_job_fails_that_attempt_alone(
+    where: str,
     engine: Engine,
     table: Table,
     raw: Raw,
@@ -154,24 +157,26 @@ def test_a_bug_of_ours_while_starting_one_job_fails_that_attempt_alone(
     database_url: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Plain handlers start inside the worker's dispatch, not in a task of
-    their own: an exception there must stay with its attempt, as one in the
-    task does, and not break the loop that dispatches the others."""
+    """Plain handlers start inside the worker's dispatch and end in a callback
+    of their thread's future, in no task of their own: an exception of ours at
+    either end must stay with its attempt, as one in a task does, and break
+    neither the loop that dispatches the others nor the slot's bookkeeping."""
     bug = enqueue(engine, table, "ok", max_attempts=1)
     oks = [enqueue(engine, table, "ok") for _ in range(5)]
-    real = execute.prepare
+    real = getattr(execute, where)
 
-    def buggy(registry: Registry, attempt: Any) -> Any:
-        if attempt.key[0] == bug:
+    def buggy(*args: Any) -> Any:
+        if any(isinstance(a, Attempt) and a.key[0] == bug for a in args):
             raise RuntimeError("a bug of ours")
-        return real(registry, attempt)
+        return real(*args)
 
-    monkeypatch.setattr(execute, "prepare", buggy)
+    monkeypatch.setattr(execute, where, buggy)
     assert burst(hostile(table, side), database_url, concurrency=2) == 0
     found = row(raw, table, bug)
     assert (found["status"], found["last_error"]) == ("failed", "RuntimeError: a bug of ours")
     assert all(row(raw, table, j)["status"] == "done" for j in oks)
-    assert sorted(e["job_id"] for e in side.events()) == oks
+    ran = sorted(e["job_id"] for e in side.events())
+    assert ran == (oks if where == "prepare" else sorted([bug, *oks]))
 
 
 def test_sync_wrapper_returning_a_coroutine_runs_its_body_before_done(
