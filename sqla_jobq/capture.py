@@ -21,11 +21,17 @@ class Captured:
     error: BaseException | None = None
 
 
+# Most handlers return None: one immutable value for all of them, rather than
+# a frozen dataclass built per job.
+RETURNED_NONE = Captured()
+
+
 def capture(call: Callable[[], object]) -> Captured:
     try:
-        return Captured(value=call())
+        value = call()
     except BaseException as exc:  # the point of this module: every outcome is a value
         return Captured(error=exc)
+    return RETURNED_NONE if value is None else Captured(value=value)
 
 
 async def capture_async(awaitable: Awaitable[object]) -> Captured:

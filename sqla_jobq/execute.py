@@ -183,10 +183,17 @@ def decode_payload(raw: Any) -> dict[str, Any]:
     return dict(payload)
 
 
+# The outcome of every handler that returned None: Outcome is immutable, so
+# one value serves them all.
+SUCCEEDED = Outcome()
+
+
 def outcome_of(attempt: Attempt, captured: Captured) -> Outcome:
     """The one place a handler's result or exception becomes what is recorded."""
     exc = captured.error
     if exc is None:
+        if captured.value is None:
+            return SUCCEEDED
         if isinstance(captured.value, Completed):
             return Outcome(result=captured.value.value, settled="done")
         return Outcome(result=captured.value)

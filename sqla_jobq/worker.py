@@ -597,7 +597,7 @@ class Worker:
         avg = self.avg_handler
         self.avg_handler = took if avg is None else avg + (took - avg) / 8
         self._dispatch()
-        if self._room():
+        if not self.event.is_set() and self._room():  # set: the claim loop wakes anyway
             self.wake()
         if outcome is None:
             return
