@@ -93,9 +93,9 @@ class Runner:
         iscoroutinefunction), the outcome of running that, to await: the work
         is in the awaitable, so it runs rather than being dropped unawaited."""
         captured = on_thread.future.result()
-        if captured.error is None and inspect.isawaitable(captured.value):
-            work = captured.value
-            return lambda: self._outcome(attempt, _on_loop(attempt, on_thread.context, work))
+        value = captured.value
+        if value is not None and captured.error is None and inspect.isawaitable(value):
+            return lambda: self._outcome(attempt, _on_loop(attempt, on_thread.context, value))
         return outcome_of(attempt, captured)
 
     async def _outcome(self, attempt: Attempt, captured: Awaitable[Captured]) -> Outcome:
@@ -178,7 +178,7 @@ def decode_payload(raw: Any) -> dict[str, Any]:
         payload = json.loads(raw) if isinstance(raw, str | bytes) else raw
     except (ValueError, RecursionError) as exc:
         raise Refused(f"InvalidPayload: cannot decode the payload: {exc}") from None
-    if not isinstance(payload, Mapping):
+    if type(payload) is not dict and not isinstance(payload, Mapping):
         raise Refused(f"InvalidPayload: expected a JSON object, got {type(payload).__name__}")
     return dict(payload)
 
