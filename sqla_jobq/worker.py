@@ -355,9 +355,7 @@ class Worker:
                 delay = min(delay * 2, RETRY_MAX)
                 continue
             delay = RETRY_START
-            for row in rows:
-                self._take(row)
-            self._dispatch()
+            self._take(rows)
             await self._presence(self.claimer, self._beat)  # after: jobs first
             if self.listener is not None:
                 self.listener.poke()
@@ -405,9 +403,7 @@ class Worker:
             self.sweep = None
         now = time.monotonic()
         self.cursor.claimed(rows, now - started, from_head=True, now=now)
-        for row in rows:
-            self._take(row)
-        self._dispatch()
+        self._take(rows)
         if rows:
             self.wake()
 
@@ -505,13 +501,16 @@ class Worker:
         if total:
             log.info("pruned %d finished jobs older than %s", total, older_than)
 
-    def _take(self, row: dict[str, Any]) -> None:
-        """A claimed attempt: ours from now on (its lease is kept), queued for a slot."""
-        task = self.registry.get(row["task"])
-        lease = task.lease if task is not None else self.claim_lease
-        attempt = Attempt.claimed(row, lease, self.claim_lease)
-        self.attempts[attempt.key] = attempt
-        self.ready.append(attempt)
+    def _take(self, rows: list[dict[str, Any]]) -> None:
+        """Claimed attempts: ours from now on (their leases are kept), queued
+        for a slot and started while slots are free."""
+        for row in rows:
+            task = self.registry.get(row["task"])
+            lease = task.lease if task is not None else self.claim_lease
+            attempt = Attempt.claimed(row, lease, self.claim_lease)
+            self.attempts[attempt.key] = attempt
+            self.ready.append(attempt)
+        self._dispatch()
 
     # -- running ----------------------------------------------------------
 
@@ -800,7 +799,6 @@ class Worker:
         if self.transactions is not None:
             await self.transactions.dispose()
         self.threads.shutdown()
-
 
 
 def _internal_error(attempt: Attempt, exc: Exception) -> Outcome:
