@@ -16,12 +16,12 @@ import functools
 import inspect
 import json
 import logging
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from .attempt import Attempt, Cancel, Outcome
 from .capture import Captured, capture_async
-from .job import Job, LeaseLost, set_current_job
+from .job import Job, LeaseLost, is_mapping, set_current_job
 from .observe import Observer
 from .registry import Registry, Task
 from .threads import HandlerThreads
@@ -178,7 +178,7 @@ def decode_payload(raw: Any) -> dict[str, Any]:
         payload = json.loads(raw) if isinstance(raw, str | bytes) else raw
     except (ValueError, RecursionError) as exc:
         raise Refused(f"InvalidPayload: cannot decode the payload: {exc}") from None
-    if type(payload) is not dict and not isinstance(payload, Mapping):
+    if not is_mapping(payload):
         raise Refused(f"InvalidPayload: expected a JSON object, got {type(payload).__name__}")
     return dict(payload)
 

@@ -17,7 +17,7 @@ from sqlalchemy import Table
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from . import client, periodic
-from .job import InvalidJob, NewJob
+from .job import InvalidJob, NewJob, is_mapping
 from .schema import default_jobs
 from .statements import DEFAULT_LEASE
 
@@ -80,7 +80,7 @@ class Task(Generic[P, R]):
         Only the shape is checked here; the statements check (and encode) the
         JSON itself, once, before any SQL is sent.
         """
-        if type(payload) is not dict and not isinstance(payload, Mapping):
+        if not is_mapping(payload):
             raise InvalidJob(
                 f"payload for task {self.name} must be a JSON object of keyword arguments, "
                 f"not {type(payload).__name__}"
