@@ -105,13 +105,20 @@ def fill(bench: Bench, count: int, *, task: str = "noop", table: str = "jobs") -
     """
     with bench.connect() as conn:
         conn.execute(f"TRUNCATE {table}")
-        conn.execute(
-            f"INSERT INTO {table} (task, payload, run_at) "
-            "SELECT %s, '{}'::jsonb, now() - interval '1 second' FROM generate_series(1, %s)",
-            (task, count),
-        )
+        insert_ready(conn, count, task=task, table=table)
         conn.execute(f"VACUUM ANALYZE {table}")
         conn.execute("CHECKPOINT")
+
+
+def insert_ready(
+    conn: psycopg.Connection[Any], count: int, *, task: str = "noop", table: str = "jobs"
+) -> None:
+    """`count` ready jobs of `task` with empty payloads, in one INSERT."""
+    conn.execute(
+        f"INSERT INTO {table} (task, payload, run_at) "
+        "SELECT %s, '{}'::jsonb, now() - interval '1 second' FROM generate_series(1, %s)",
+        (task, count),
+    )
 
 
 @dataclass(frozen=True)

@@ -217,16 +217,11 @@ def _running(
 ) -> tuple[float, int]:
     """Jobs/s of workers already up and idle when `n` jobs arrive in one commit."""
     with cluster.connect() as conn:
-        conn.execute("TRUNCATE jobs, jobs_workers")
-        conn.execute("VACUUM ANALYZE jobs")
-        conn.execute("CHECKPOINT")
+        conn.execute("TRUNCATE jobs_workers")
+    common.fill(cluster.bench(), 0)
     with base.workers(cmds), cluster.connect() as conn:
         _wait(conn, "SELECT count(*) >= %s FROM jobs_workers", len(cmds), what="workers up")
-        conn.execute(
-            "INSERT INTO jobs (task, payload) SELECT 'noop', '{}'::jsonb "
-            "FROM generate_series(1, %s)",
-            (n,),
-        )
+        common.insert_ready(conn, n)
         _wait(conn, "SELECT count(*) = 0 FROM jobs WHERE status <> 'done'", what=f"{name} done")
     return drained(cluster, n, name)
 

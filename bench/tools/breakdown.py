@@ -153,7 +153,8 @@ def main(argv: list[str]) -> int:
         "ours: handler thread woken": [],
         "ours: handler started": [],
     }
-    claims.sort()
+    for marks in (claims, wakes, handed):
+        marks.sort()
     for seq in range(count):
         t0, f0 = sent[("jobs", seq)], sent[(FLOOR, seq)]
         i = bisect.bisect_left(claims, (t0, 0.0))
@@ -174,8 +175,7 @@ def _pairs(path: Path) -> dict[int, float]:
     return {int(a): float(b) for a, b in (ln.split() for ln in path.read_text().splitlines())}
 
 
-def _next(marks: list[float], after: float) -> float:
-    ordered = sorted(marks)
+def _next(ordered: list[float], after: float) -> float:
     i = bisect.bisect_left(ordered, after)
     return ordered[i] if i < len(ordered) else float("nan")
 
