@@ -111,4 +111,3 @@ class ClaimCursor:
     def wake_by(self, now: float) -> float | None:
         """Seconds until the next sweep is due, while engaged."""
         return max(0.0, self.head_due - now) if self.engaged else None
-

@@ -28,7 +28,6 @@ from .db import RETRY_MAX, RETRY_START, close_quietly, connect_kwargs, conninfo
 log = logging.getLogger("sqla_jobq.notify")
 
 
-
 class Listener:
     """Calls `wake()` on every notification for our queues, and after reconnecting."""
 

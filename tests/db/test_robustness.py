@@ -35,9 +35,6 @@ class Oops(BaseException):
     """A custom BaseException: neither Exception nor SystemExit."""
 
 
-
-
-
 def statuses(raw: Raw, table: Table) -> dict[str, int]:
     rows = raw.execute(f'SELECT status, count(*) FROM "{table.name}" GROUP BY status').fetchall()
     return {str(s): int(n) for s, n in rows}
@@ -435,4 +432,3 @@ def test_prefetched_jobs_behind_a_slow_one_go_to_an_idle_worker(
     for job_id in quick:
         found = row(raw, table, job_id)
         assert found["max_attempts"] - found["attempts"] >= 1, found  # handed back refunded
-
