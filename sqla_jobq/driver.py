@@ -65,8 +65,13 @@ class Fates:
     cancelled: frozenset[Key]
 
 
-def _pairs(keys: Sequence[Key]) -> dict[str, list[int]]:
-    return {"ids": [k[0] for k in keys], "attempts": [k[1] for k in keys]}
+def _pairs(keys: Sequence[Key]) -> dict[str, str]:
+    """The keys as two array literals (`{1,2,3}`), cast by the statements:
+    psycopg dumps a list of ints element by element in Python, about 3.5 us a
+    job in a batch of 64, against 0.5 us for this join."""
+    ids = ",".join([str(k[0]) for k in keys])
+    attempts = ",".join([str(k[1]) for k in keys])
+    return {"ids": f"{{{ids}}}", "attempts": f"{{{attempts}}}"}
 
 
 def lifecycle_statements(
@@ -175,10 +180,28 @@ class Driver:
         with it, by a second compiled form so result-less batches stay lean."""
         name = "complete" + ("" if results is None else "_results")
         name += "_skipping" if skip_locked else ""
-        given: dict[str, Any] = {}
+        pairs: dict[str, Any] = _pairs(keys)
         if results is not None:
-            given = {"result_ids": [k[0] for k in keys], "results": list(results)}
-        rows = await self._rows(name, **_pairs(keys), **given)
+            pairs.update(result_ids=pairs["ids"], results=list(results))
+        return await self._matched(name, keys, **pairs)
+
+    async def _matched(self, name: str, keys: Sequence[Key], **values: Any) -> set[Key]:
+        """The keys a fenced batch statement matched. Each key matches at most
+        its one row, so when the row count is the batch size every key
+        matched and the returned rows are not read: reading them (a dict per
+        row) and dumping the keys element by element (see `_pairs`) made
+        completions a quarter of a no-op drain's client CPU; without both, a
+        `--burst -c 8` worker drained 1.26x faster (4 interleaved rounds)."""
+        stmt = self.sql[name]
+        conn = await self._connection()
+        try:
+            cur = await conn.execute(stmt.sql, stmt.params(**values))
+            if cur.rowcount == len(keys):
+                return set(keys)
+            rows = await cur.fetchall()
+        except psycopg.Error:
+            await self._drop_if_broken()
+            raise
         return {(r["id"], r["attempts"]) for r in rows}
 
     async def fates(self, keys: Sequence[Key]) -> Fates:
@@ -202,12 +225,10 @@ class Driver:
         return str(rows[0]["status"]), max(rows[0]["retry_in"].total_seconds(), 0.0)
 
     async def extend_leases(self, keys: Sequence[Key], lease: timedelta) -> set[Key]:
-        rows = await self._rows("extend_leases", lease=lease, **_pairs(keys))
-        return {(r["id"], r["attempts"]) for r in rows}
+        return await self._matched("extend_leases", keys, lease=lease, **_pairs(keys))
 
     async def hand_back(self, keys: Sequence[Key], *, refund: bool) -> set[Key]:
-        rows = await self._rows("refund" if refund else "hand_back", **_pairs(keys))
-        return {(r["id"], r["attempts"]) for r in rows}
+        return await self._matched("refund" if refund else "hand_back", keys, **_pairs(keys))
 
     async def reap(self) -> list[Row]:
         return await self._rows("reap")
