@@ -1,0 +1,80 @@
+"""The worker's driver reports exactly which attempts a fenced batch matched:
+all of them by the row count alone, and the ones that missed (a stale
+attempt, a row another session holds) by reading the returned rows."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+from typing import Any
+
+import psycopg
+from sqlalchemy import Engine, Table
+
+from sqla_jobq import statements
+from sqla_jobq.db import conninfo
+from sqla_jobq.driver import Driver, lifecycle_statements
+
+LEASE = timedelta(minutes=5)
+
+
+def _enqueue(engine: Engine, table: Table, count: int) -> list[int]:
+    with engine.begin() as conn:
+        rows = [statements.NewJob("t", {"n": n}) for n in range(count)]
+        return [r[0] for r in conn.execute(statements.enqueue_many(table, rows))]
+
+
+async def _claimed(driver: Driver, count: int) -> list[tuple[int, int]]:
+    rows = await driver.claim(count)
+    return sorted((r["id"], r["attempts"]) for r in rows)
+
+
+def test_batch_with_a_stale_attempt_matches_only_the_live_ones(
+    database_url: str, engine: Engine, table: Table
+) -> None:
+    _enqueue(engine, table, 3)
+
+    async def scenario() -> tuple[set[Any], set[Any], set[Any]]:
+        driver = Driver(database_url, lifecycle_statements(table, ["default"], LEASE), True)
+        try:
+            (a, b, c) = await _claimed(driver, 3)
+            stale = (c[0], c[1] + 1)
+            extended = await driver.extend_leases([a, b, c], LEASE)
+            done = await driver.complete_many([a, stale], ['{"r": 1}', None])
+            handed = await driver.hand_back([b, c, a], refund=False)
+            return extended, done, handed
+        finally:
+            await driver.close()
+
+    extended, done, handed = asyncio.run(scenario())
+    assert len(extended) == 3
+    (a, b, c) = sorted(extended)
+    assert done == {a}
+    assert handed == {b, c}
+    with engine.connect() as conn:
+        rows = conn.execute(table.select().with_only_columns(table.c.id, table.c.status))
+        status = {row.id: row.status for row in rows}
+        result = conn.execute(table.select().where(table.c.id == a[0])).one().result
+    assert status == {a[0]: "done", b[0]: "queued", c[0]: "queued"}
+    assert result == {"r": 1}
+
+
+def test_batch_skipping_a_row_another_session_holds_matches_the_rest(
+    database_url: str, engine: Engine, table: Table
+) -> None:
+    _enqueue(engine, table, 2)
+
+    async def scenario() -> tuple[list[tuple[int, int]], set[Any]]:
+        driver = Driver(database_url, lifecycle_statements(table, ["default"], LEASE), True)
+        try:
+            keys = await _claimed(driver, 2)
+            with psycopg.connect(conninfo(database_url)) as holder:
+                lock = f'SELECT 1 FROM "{table.name}" WHERE id = %s FOR UPDATE'
+                holder.execute(lock, [keys[0][0]])
+                done = await driver.complete_many(keys, skip_locked=True)
+            return keys, done
+        finally:
+            await driver.close()
+
+    keys, done = asyncio.run(scenario())
+    assert done == {keys[1]}
