@@ -1,8 +1,9 @@
 """Recording outcomes: batched fenced completions, failures, retries (internal).
 
 A completion is one fenced statement whatever the batch size, so while one
-flush is in flight the next completions wait and go together: the busier the
-worker, the fewer round trips per job.
+flush is in flight the next completions wait and go together, and while they
+keep coming a flush follows the one before by at least `FLUSH_GAP`: the
+busier the worker, the fewer round trips per job.
 
 An outcome is kept and retried for as long as its attempt's lease may still
 be valid: across a lost connection or a restarting server, and past a row
@@ -30,6 +31,14 @@ log = logging.getLogger("sqla_jobq.finisher")
 
 # A row another session holds locked is tried again this often.
 BUSY_RETRY = 0.2
+# While outcomes keep arriving, the next flush starts this long after the
+# one before it began, so one statement records what finished in between.
+# Each statement costs the worker's loop hundreds of microseconds of driver
+# work: flushing at once after each round trip, `--burst -c 8` recorded no-op
+# jobs 18 at a time; with the gap, 46, and drained 1.2x faster (4 interleaved
+# rounds). An outcome waits at most the gap, and only while others keep
+# coming: a lone one is flushed at once.
+FLUSH_GAP = 0.005
 
 # (attempt, what happened as a log phrase, its kind: done, retry, failed,
 # cancelled or lost).
@@ -58,7 +67,10 @@ class Finisher:
                 async with asyncio.timeout(self._next_try()):
                     await self.kick.wait()
             self.kick.clear()
+            started = time.monotonic()
             await self.flush()
+            if self.pending:
+                await asyncio.sleep(FLUSH_GAP - (time.monotonic() - started))
 
     async def drain(self) -> None:
         """Flush until every outcome is recorded or its lease has run out."""
