@@ -35,6 +35,13 @@ def main() -> int:
         help="bloat-at-peak: extra option for the worker (repeatable), "
         "e.g. --worker-arg=--prune-older-than=30s",
     )
+    parser.add_argument(
+        "--offered",
+        type=float,
+        default=None,
+        help="held-snapshot: jobs/s to offer instead of half the saturated rate "
+        "(the same load as an earlier run)",
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
 
@@ -45,6 +52,8 @@ def main() -> int:
     load = os.getloadavg()[0]
     if args.scene == "bloat-at-peak":
         result = bloat.run(args.minutes, log, args.worker_arg)
+    elif args.scene == "held-snapshot":
+        result = held_snapshot.run(args.minutes, log, args.offered)
     else:
         result = SCENES[args.scene].run(args.minutes, log)
     result["command"] = " ".join(["python -m bench.scenes", *sys.argv[1:]])

@@ -32,14 +32,17 @@ import psycopg
 from . import base
 
 
-def run(minutes: float, log: Any) -> dict[str, Any]:
+def run(minutes: float, log: Any, offered_rate: float | None = None) -> dict[str, Any]:
+    """`offered_rate` (jobs/s) replaces half the saturated rate: the same
+    absolute load as another run, when comparing two versions of the worker
+    whose saturated rates differ."""
     clean, hold, after = 60 * minutes, 180 * minutes, 180 * minutes
     every = base.SAMPLE_SECONDS if minutes >= 0.5 else 5.0
     sat_jobs = 20_000 if minutes >= 0.5 else 3_000
     with base.throwaway_cluster() as cluster:
         settings = cluster.settings()
         sat = base.saturated_rate(cluster, sat_jobs)
-        offered = sat / 2
+        offered = sat / 2 if offered_rate is None else offered_rate
         log(
             f"held snapshot: saturated {sat:,.0f} jobs/s ({sat_jobs:,} jobs, burst -c 8); "
             f"offering {offered:,.0f} jobs/s; clean {clean:.0f} s, hold {hold:.0f} s, "
