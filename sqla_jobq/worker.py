@@ -812,6 +812,7 @@ def _empty_backoff(empty: int) -> float:
     backoff: float = EMPTY_BACKOFF_START * 2 ** min(empty - 1, 30)
     return min(EMPTY_BACKOFF_MAX, backoff)
 
+
 def _quietly(hook: Callable[..., None], *args: object) -> None:
     """Call an observer's hook; a hook that raises is logged, never fatal."""
     try:
