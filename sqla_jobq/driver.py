@@ -134,15 +134,19 @@ class Driver:
             self._conn = conn
         return self._conn
 
-    async def _rows(self, name: str, **values: Any) -> list[Row]:
+    async def _execute(self, name: str, **values: Any) -> psycopg.AsyncCursor[Row]:
+        """Run one compiled statement; a connection it finds broken is dropped."""
         stmt = self.sql[name]
         conn = await self._connection()
         try:
-            cur = await conn.execute(stmt.sql, stmt.params(**values))
-            return await cur.fetchall() if cur.description else []
+            return await conn.execute(stmt.sql, stmt.params(**values))
         except psycopg.Error:
             await self._drop_if_broken()
             raise
+
+    async def _rows(self, name: str, **values: Any) -> list[Row]:
+        cur = await self._execute(name, **values)
+        return await cur.fetchall() if cur.description else []
 
     async def _drop_if_broken(self) -> None:
         """A statement refused (a lock timeout) leaves an autocommit session
@@ -192,17 +196,10 @@ class Driver:
         row) and dumping the keys element by element (see `_pairs`) made
         completions a quarter of a no-op drain's client CPU; without both, a
         `--burst -c 8` worker drained 1.26x faster (4 interleaved rounds)."""
-        stmt = self.sql[name]
-        conn = await self._connection()
-        try:
-            cur = await conn.execute(stmt.sql, stmt.params(**values))
-            if cur.rowcount == len(keys):
-                return set(keys)
-            rows = await cur.fetchall()
-        except psycopg.Error:
-            await self._drop_if_broken()
-            raise
-        return {(r["id"], r["attempts"]) for r in rows}
+        cur = await self._execute(name, **values)
+        if cur.rowcount == len(keys):
+            return set(keys)
+        return {(r["id"], r["attempts"]) for r in await cur.fetchall()}
 
     async def fates(self, keys: Sequence[Key]) -> Fates:
         """What became of attempts a fenced batch statement did not match."""
@@ -235,13 +232,7 @@ class Driver:
 
     async def prune(self, older_than: timedelta, limit: int) -> int:
         """One batch of finished jobs deleted, in its own (autocommit) transaction."""
-        stmt = self.sql["prune"]
-        conn = await self._connection()
-        try:
-            cur = await conn.execute(stmt.sql, stmt.params(older_than=older_than, limit=limit))
-        except psycopg.Error:
-            await self._drop_if_broken()
-            raise
+        cur = await self._execute("prune", older_than=older_than, limit=limit)
         return cur.rowcount
 
     async def limited(self) -> bool:
