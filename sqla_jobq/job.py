@@ -4,7 +4,8 @@ is built) and a claimed one (`Job`, what a handler sees through
 
 Claimed rows are decoded here, by column name, and nowhere else, so adding a
 column to the claim cannot shift what another module reads. Payloads and
-results are encoded here, once, by the same strict JSON encoder.
+results are encoded here, once, by the same strict JSON encoder, and a
+claimed payload's JSON text is decoded here (`decode_json`).
 """
 
 from __future__ import annotations
@@ -230,6 +231,27 @@ if c_make_encoder is not None:
 
 else:  # no C speedups: the pure-Python encoder, built once all the same
     _ENCODE = json.JSONEncoder(allow_nan=False, separators=(",", ":")).encode
+
+
+# What `json.loads` itself calls (typeshed does not declare the attribute).
+_SCANNER: Callable[[str, int], tuple[Any, int]]
+_SCANNER = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
+
+
+def decode_json(raw: str | bytes) -> Any:
+    """`json.loads`, straight to its C scanner for the text PostgreSQL writes
+    for jsonb (one value, no surrounding space): 0.75 us a payload against
+    2.8 us. Anything else goes through `json.loads`, for its checks and its
+    error messages."""
+    if isinstance(raw, str):
+        try:
+            value, end = _SCANNER(raw, 0)
+        except (StopIteration, ValueError):
+            pass
+        else:
+            if end == len(raw):
+                return value
+    return json.loads(raw)
 
 
 def encode_payload(payload: Any) -> str:
