@@ -11,17 +11,16 @@ from typing import Any
 import psycopg
 from sqlalchemy import Engine, Table
 
-from sqla_jobq import statements
 from sqla_jobq.db import conninfo
 from sqla_jobq.driver import Driver, lifecycle_statements
+from tests.support.rows import Raw, enqueue, job_row
 
 LEASE = timedelta(minutes=5)
 
 
-def _enqueue(engine: Engine, table: Table, count: int) -> list[int]:
-    with engine.begin() as conn:
-        rows = [statements.NewJob("t", {"n": n}) for n in range(count)]
-        return [r[0] for r in conn.execute(statements.enqueue_many(table, rows))]
+def _enqueue(engine: Engine, table: Table, count: int) -> None:
+    for n in range(count):
+        enqueue(engine, table, "t", {"n": n})
 
 
 async def _claimed(driver: Driver, count: int) -> list[tuple[int, int]]:
@@ -30,7 +29,7 @@ async def _claimed(driver: Driver, count: int) -> list[tuple[int, int]]:
 
 
 def test_batch_with_a_stale_attempt_matches_only_the_live_ones(
-    database_url: str, engine: Engine, table: Table
+    database_url: str, engine: Engine, table: Table, raw: Raw
 ) -> None:
     _enqueue(engine, table, 3)
 
@@ -51,12 +50,9 @@ def test_batch_with_a_stale_attempt_matches_only_the_live_ones(
     (a, b, c) = sorted(extended)
     assert done == {a}
     assert handed == {b, c}
-    with engine.connect() as conn:
-        rows = conn.execute(table.select().with_only_columns(table.c.id, table.c.status))
-        status = {row.id: row.status for row in rows}
-        result = conn.execute(table.select().where(table.c.id == a[0])).one().result
-    assert status == {a[0]: "done", b[0]: "queued", c[0]: "queued"}
-    assert result == {"r": 1}
+    rows = {key: job_row(raw, table, key[0]) for key in (a, b, c)}
+    assert {k: r["status"] for k, r in rows.items()} == {a: "done", b: "queued", c: "queued"}
+    assert rows[a]["result"] == {"r": 1}
 
 
 def test_batch_skipping_a_row_another_session_holds_matches_the_rest(
