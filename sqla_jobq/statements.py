@@ -62,7 +62,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, TIMESTAMP
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.sql.dml import ReturningInsert
-from sqlalchemy.sql.elements import quoted_name
+from sqlalchemy.sql.elements import BindParameter, quoted_name
 from sqlalchemy.sql.functions import Function
 
 from .job import (
@@ -609,21 +609,40 @@ def complete(table: Table, id: int, attempts: int, result: Any = None) -> Update
     return update(table).where(*_fence(table, id, attempts)).values(**values)
 
 
+def _owned_ids(jobs: Sequence[tuple[int, int]]) -> BindParameter[Any]:
+    return bindparam("ids", [j[0] for j in jobs], type_=ARRAY(BigInteger))
+
+
 def _owned_rows(jobs: Sequence[tuple[int, int]]) -> Any:
     """`(id, attempts)` pairs as a table: two arrays unnested side by side."""
     return (
         func.unnest(
-            bindparam("ids", [j[0] for j in jobs], type_=ARRAY(BigInteger)),
-            bindparam("attempts", [j[1] for j in jobs], type_=ARRAY(Integer)),
+            _owned_ids(jobs), bindparam("attempts", [j[1] for j in jobs], type_=ARRAY(Integer))
         )
         .table_valued("id", "attempts")
         .render_derived(name="owned")
     )
 
 
-def _fence_many(table: Table, owned: Any) -> tuple[ColumnElement[bool], ...]:
+def _by_id(table: Table, jobs: Sequence[tuple[int, int]], owned: Any) -> ColumnElement[bool]:
+    """`id = ANY(ids) AND id = owned.id`: the join alone left the planner free
+    to reach the rows another way. Unprepared (behind PgBouncer), with
+    statistics taken while no job ran, it estimated one running row, scanned
+    the whole table for it and joined every row against the batch: 25 to 60 ms
+    a completion on 20,000 rows. `id = ANY` is an index condition on the
+    primary key, and a filter too costly to apply to every row of a scan."""
+    return and_(table.c.id == any_(_owned_ids(jobs)), table.c.id == owned.c.id)
+
+
+def _fence_many(
+    table: Table, jobs: Sequence[tuple[int, int]], owned: Any
+) -> tuple[ColumnElement[bool], ...]:
     c = table.c
-    return (c.id == owned.c.id, status_is(c.status, "running"), c.attempts == owned.c.attempts)
+    return (
+        _by_id(table, jobs, owned),
+        status_is(c.status, "running"),
+        c.attempts == owned.c.attempts,
+    )
 
 
 def _lockable(table: Table, jobs: Sequence[tuple[int, int]]) -> ColumnElement[bool]:
@@ -639,7 +658,7 @@ def _lockable(table: Table, jobs: Sequence[tuple[int, int]]) -> ColumnElement[bo
     fenced = (
         select(table.c.id)
         .select_from(owned)
-        .join(table, and_(*_fence_many(table, owned)))
+        .join(table, and_(*_fence_many(table, jobs, owned)))
         .with_for_update(of=table, skip_locked=True)
         .cte("fenced")
     )
@@ -679,7 +698,7 @@ def complete_many(
     if skip_locked:
         stmt = stmt.where(_lockable(table, jobs))
     else:
-        stmt = stmt.where(*_fence_many(table, _owned_rows(jobs)))
+        stmt = stmt.where(*_fence_many(table, jobs, _owned_rows(jobs)))
     if results is not None:
         given = (
             func.unnest(
@@ -703,7 +722,7 @@ def fates(table: Table, jobs: Sequence[tuple[int, int]]) -> Select[Any]:
     """
     owned = _owned_rows(jobs)
     c = table.c
-    match = and_(c.id == owned.c.id, c.attempts == owned.c.attempts)
+    match = and_(_by_id(table, jobs, owned), c.attempts == owned.c.attempts)
     return select(c.id, c.attempts, c.status).select_from(owned).join(table, match)
 
 
