@@ -57,9 +57,12 @@ class _Found:
     triggers: frozenset[str]
 
 
+# The triggers of the jobs table and of its queue settings' table: resuming a
+# queue wakes the workers through the latter's.
 _FIND = text(
     "SELECT n.nspname, c.relname, obj_description(c.oid, 'pg_class'), "
-    "ARRAY(SELECT t.tgname::text FROM pg_trigger t WHERE t.tgrelid = c.oid "
+    "ARRAY(SELECT t.tgname::text FROM pg_trigger t "
+    "WHERE t.tgrelid IN (c.oid, to_regclass(:queues)) "
     "AND NOT t.tgisinternal AND t.tgenabled <> 'D') "
     "FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
     "WHERE c.oid = to_regclass(:qualified)"
@@ -67,7 +70,8 @@ _FIND = text(
 
 
 def _find(conn: Connection, names: Names) -> _Found | None:
-    row = conn.execute(_FIND, {"qualified": names.qualified}).first()
+    params = {"qualified": names.qualified, "queues": names.queues_qualified}
+    row = conn.execute(_FIND, params).first()
     if row is None:
         return None
     return _Found(row[0], row[1], parse_version_comment(row[2]) or 0, frozenset(row[3]))
@@ -79,6 +83,7 @@ def _missing(names: Names, found: _Found | None) -> list[str]:
         names.notify_requeue_trigger,
         names.notify_finished,
         names.notify_cancel,
+        names.queues_notify,
     ]
     return wanted if found is None else [t for t in wanted if t not in found.triggers]
 

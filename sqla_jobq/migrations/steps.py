@@ -190,7 +190,8 @@ def repair_statements(n: Names) -> list[str]:
     """The NOTIFY functions and triggers as the latest step leaves them, re-created.
 
     A current table whose triggers were dropped or disabled makes every job
-    wait for the workers' fallback poll; `jobq migrate` runs these on it. They
+    (or, for the queue settings' trigger, every resumed queue) wait for the
+    workers' fallback poll; `jobq migrate` runs these on it. They
     change no schema version, so they are not a step.
 
     Step 6's autovacuum settings are not re-applied: they tune the table, it
@@ -206,6 +207,8 @@ def repair_statements(n: Names) -> list[str]:
         f"DROP TRIGGER IF EXISTS {quote_ident(n.notify_requeue_trigger)} ON {table}",
         _requeue_trigger(n),
         *_v5_triggers(n, replace=True),
+        f"DROP TRIGGER IF EXISTS {quote_ident(n.queues_notify)} ON {n.queues_qualified}",
+        *_queues_trigger(n, replace=True),
     ]
 
 
@@ -386,7 +389,7 @@ END;
 def _v5_queue_control(n: Names) -> list[str]:
     """The claim's gate, and a wake-up for workers when a queue is resumed or
     its limit changes, so they claim at once rather than at their next poll."""
-    slots, notify = qualify(n.schema, n.claim_slots), qualify(n.schema, n.queues_notify)
+    slots = qualify(n.schema, n.claim_slots)
     quotas = qualify(n.schema, n.claim_quotas)
     return [
         f"CREATE FUNCTION {slots}(queue_name text) RETURNS int LANGUAGE plpgsql VOLATILE "
@@ -394,10 +397,17 @@ def _v5_queue_control(n: Names) -> list[str]:
         f"CREATE FUNCTION {quotas}(queue_names text[]) "
         "RETURNS TABLE (queue_name text, slots int) LANGUAGE plpgsql VOLATILE "
         f"AS {quote_literal(_claim_quotas_body(n))}",
-        _function(notify, _queues_notify_body(n)),
+        *_queues_trigger(n, replace=False),
+        f"DO {quote_literal(_grant_queues_body(n))}",
+    ]
+
+
+def _queues_trigger(n: Names, *, replace: bool) -> list[str]:
+    notify = qualify(n.schema, n.queues_notify)
+    return [
+        _function(notify, _queues_notify_body(n), replace=replace),
         f"CREATE TRIGGER {quote_ident(n.queues_notify)} AFTER INSERT OR UPDATE "
         f"ON {n.queues_qualified} FOR EACH ROW WHEN (NOT NEW.paused) EXECUTE FUNCTION {notify}()",
-        f"DO {quote_literal(_grant_queues_body(n))}",
     ]
 
 

@@ -16,7 +16,7 @@ import pytest
 from sqlalchemy import Engine, MetaData, Table, create_engine, text
 from sqlalchemy.pool import NullPool
 
-from sqla_jobq import client, statements
+from sqla_jobq import client, queue_statements, statements
 from sqla_jobq.db import conninfo, sqlalchemy_url
 from sqla_jobq.migrations import SchemaError, check_schema
 from sqla_jobq.migrations.runner import migrate_to_latest
@@ -233,6 +233,28 @@ def test_check_schema_refuses_a_table_that_lost_a_trigger_and_jobq_migrate_resto
 
     migrate_to_latest(sqlalchemy_url(database_url), table)
     heard_of_an_insert_and_a_put_back(database_url, table, channel_of(engine, table))
+
+
+def test_check_schema_refuses_a_lost_queue_settings_trigger_and_jobq_migrate_restores_it(
+    database_url: str, engine: Engine, table: Table, raw: Raw
+) -> None:
+    """The queue settings' trigger is what wakes workers when a queue is
+    resumed: without it a resumed queue waits for their fallback poll."""
+    names = names_of(table)
+    raw.execute(
+        f"DROP TRIGGER {quote_ident(names.queues_notify)} ON {names.queues_qualified}".encode()
+    )
+    with pytest.raises(SchemaError) as refused:
+        channel_of(engine, table)
+    assert names.queues_notify in str(refused.value)
+
+    migrate_to_latest(sqlalchemy_url(database_url), table)
+    channel = channel_of(engine, table)
+    with listening(database_url, channel) as listener:
+        with engine.begin() as conn:
+            conn.execute(queue_statements.pause(table, "q"))
+            conn.execute(queue_statements.resume(table, "q"))
+        assert heard(listener) == [(channel, "q")]
 
 
 def test_check_schema_refuses_a_resolved_channel_longer_than_pg_notify_takes(
