@@ -842,3 +842,63 @@ def test_fenced_batches_find_their_rows_by_primary_key_when_statistics_saw_no_ru
             assert "Seq Scan" not in plan, (what, plan)
             assert f"{name}_pkey" in plan, (what, plan)
         conn.rollback()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known: with a backlog past the position, the planner trades the claim index "
+    "for the smaller ready index and a Sort (docs/benchmarks.md, held snapshot, fourth round)",
+)
+def test_claim_after_a_position_never_sorts_the_backlog_when_statistics_saw_a_short_queue(
+    engine: Engine, table: Table
+) -> None:
+    """Autovacuum analyses a queue table while its queue is short, so the
+    planner expects few queued rows. With 200,000 jobs queued past the
+    position, the positional claim then gets the ready index and a Sort under
+    its LockRows: a sort that cannot stop at the LIMIT, so every claim reads
+    and sorts the whole backlog past the position (20 to 70 ms a claim with
+    60,000 jobs queued; behind a held snapshot a worker offered 15,000 jobs/s
+    fell to 2% of it). Ordering by `run_at` alone avoids the Sort but lets the
+    ready index step over a tie group's claimed entries (a bulk enqueue shares
+    one `run_at`), which is what the positional claim exists to avoid; the
+    fix is open."""
+    name = table.name
+    with autocommit(engine) as conn:
+        conn.exec_driver_sql(
+            f'INSERT INTO "{name}" (payload, status, finished_at, run_at) '
+            "SELECT '{}', 'done', now(), now() - interval '1 hour' + g * interval '1 ms' "
+            "FROM generate_series(1, 100000) AS g"
+        )
+        conn.exec_driver_sql(
+            f"INSERT INTO \"{name}\" (payload, run_at) "
+            "SELECT '{}', now() - interval '10 minutes' FROM generate_series(1, 500)"
+        )
+        conn.exec_driver_sql(f'ANALYZE "{name}"')
+        conn.exec_driver_sql(
+            f'INSERT INTO "{name}" (payload, run_at) '
+            "SELECT '{}', now() - interval '1 minute' + (g / 4000) * interval '1 s' "
+            "FROM generate_series(1, 200000) AS g"
+        )
+        first = conn.exec_driver_sql(
+            f"SELECT run_at, id FROM \"{name}\" WHERE run_at > now() - interval '2 minutes' "
+            "ORDER BY run_at, id LIMIT 1"
+        ).one()
+    stmt = statements.claim(table, limit=64, after=True)
+    compiled = stmt.compile(dialect=postgresql.psycopg.dialect())
+    position = {"after_priority": 0, "after_run_at": first.run_at, "after_id": first.id}
+    with engine.connect() as conn:
+        starts_at_the_position(cte_plan(conn, str(compiled), {**compiled.params, **position}))
+        sql, order = dollar_params(str(compiled))
+        literals = {
+            "queue": "'default'",
+            "limit": "64",
+            "lease": "interval '5 minutes'",
+            "after_priority": "0",
+            "after_run_at": f"'{first.run_at.isoformat()}'",
+            "after_id": str(first.id),
+        }
+        conn.exec_driver_sql("SET plan_cache_mode = force_generic_plan")
+        conn.exec_driver_sql(f"PREPARE jobq_claim_backlog AS {sql}")
+        args = ", ".join(literals.get(n, "1") for n in order)
+        starts_at_the_position(cte_plan(conn, f"EXECUTE jobq_claim_backlog({args})"))
+        conn.rollback()
