@@ -722,6 +722,18 @@ def starts_at_the_position(node: dict[str, Any]) -> str:
     return str(scan["Index Name"])
 
 
+def generic_claim_after_plan(conn: Connection, sql: str, literals: dict[str, str]) -> Any:
+    """The positional claim's CTE in the generic plan a prepared statement
+    gets (as the worker's is), for a position given as SQL literals."""
+    numbered, order = dollar_params(sql)
+    values = {"queue": "'default'", "lease": "interval '5 minutes'", "after_priority": "0"}
+    values.update(literals)
+    conn.exec_driver_sql("SET plan_cache_mode = force_generic_plan")
+    conn.exec_driver_sql(f"PREPARE jobq_claim_after AS {numbered}")
+    args = ", ".join(values.get(n, "1") for n in order)
+    return cte_plan(conn, f"EXECUTE jobq_claim_after({args})")
+
+
 def test_claim_after_a_position_starts_its_index_scan_there(
     engine: Engine, history: Table
 ) -> None:
@@ -734,19 +746,8 @@ def test_claim_after_a_position_starts_its_index_scan_there(
     with engine.connect() as conn:
         node = cte_plan(conn, str(compiled), {**compiled.params, **position})
         assert starts_at_the_position(node) == f"{history.name}_claim_idx"
-        sql, order = dollar_params(str(compiled))
-        literals = {
-            "queue": "'default'",
-            "limit": "10",
-            "lease": "interval '5 minutes'",
-            "after_priority": "0",
-            "after_run_at": "'-infinity'",
-            "after_id": "150",
-        }
-        conn.exec_driver_sql("SET plan_cache_mode = force_generic_plan")
-        conn.exec_driver_sql(f"PREPARE jobq_claim_after AS {sql}")
-        args = ", ".join(literals.get(n, "1") for n in order)
-        starts_at_the_position(cte_plan(conn, f"EXECUTE jobq_claim_after({args})"))
+        literals = {"limit": "10", "after_run_at": "'-infinity'", "after_id": "150"}
+        starts_at_the_position(generic_claim_after_plan(conn, str(compiled), literals))
         conn.rollback()
 
 
@@ -888,17 +889,10 @@ def test_claim_after_a_position_never_sorts_the_backlog_when_statistics_saw_a_sh
     position = {"after_priority": 0, "after_run_at": first.run_at, "after_id": first.id}
     with engine.connect() as conn:
         starts_at_the_position(cte_plan(conn, str(compiled), {**compiled.params, **position}))
-        sql, order = dollar_params(str(compiled))
         literals = {
-            "queue": "'default'",
             "limit": "64",
-            "lease": "interval '5 minutes'",
-            "after_priority": "0",
             "after_run_at": f"'{first.run_at.isoformat()}'",
             "after_id": str(first.id),
         }
-        conn.exec_driver_sql("SET plan_cache_mode = force_generic_plan")
-        conn.exec_driver_sql(f"PREPARE jobq_claim_backlog AS {sql}")
-        args = ", ".join(literals.get(n, "1") for n in order)
-        starts_at_the_position(cte_plan(conn, f"EXECUTE jobq_claim_backlog({args})"))
+        starts_at_the_position(generic_claim_after_plan(conn, str(compiled), literals))
         conn.rollback()
