@@ -207,7 +207,6 @@ def repair_statements(n: Names) -> list[str]:
         f"DROP TRIGGER IF EXISTS {quote_ident(n.notify_requeue_trigger)} ON {table}",
         _requeue_trigger(n),
         *_v5_triggers(n, replace=True),
-        f"DROP TRIGGER IF EXISTS {quote_ident(n.queues_notify)} ON {n.queues_qualified}",
         *_queues_trigger(n, replace=True),
     ]
 
@@ -404,11 +403,14 @@ def _v5_queue_control(n: Names) -> list[str]:
 
 def _queues_trigger(n: Names, *, replace: bool) -> list[str]:
     notify = qualify(n.schema, n.queues_notify)
-    return [
-        _function(notify, _queues_notify_body(n), replace=replace),
+    sql = [_function(notify, _queues_notify_body(n), replace=replace)]
+    if replace:
+        sql.append(f"DROP TRIGGER IF EXISTS {quote_ident(n.queues_notify)} ON {n.queues_qualified}")
+    sql.append(
         f"CREATE TRIGGER {quote_ident(n.queues_notify)} AFTER INSERT OR UPDATE "
-        f"ON {n.queues_qualified} FOR EACH ROW WHEN (NOT NEW.paused) EXECUTE FUNCTION {notify}()",
-    ]
+        f"ON {n.queues_qualified} FOR EACH ROW WHEN (NOT NEW.paused) EXECUTE FUNCTION {notify}()"
+    )
+    return sql
 
 
 def _v5_up(n: Names) -> list[str]:
