@@ -14,6 +14,7 @@ from sqla_jobq import finisher
 from sqla_jobq.attempt import Attempt, Outcome
 from sqla_jobq.driver import Driver, lifecycle_statements
 from tests.support.rows import enqueue
+from tests.support.waiting import wait_until_async
 
 LEASE = timedelta(minutes=5)
 
@@ -34,12 +35,6 @@ class Gated:
         if len(self.sizes) == 1:
             await self.gate.wait()
         return await self.complete_many(keys, *args, **kwargs)
-
-
-async def _until(condition: Any, timeout: float = 10.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not condition():
-            await asyncio.sleep(0.01)
 
 
 def test_next_completion_waits_for_a_batch_not_for_the_gap(
@@ -64,15 +59,15 @@ def test_next_completion_waits_for_a_batch_not_for_the_gap(
         runner = asyncio.create_task(done.run())
         try:
             done.add(attempts[0])  # a lone outcome goes at once, and waits at the gate
-            await _until(lambda: gated.sizes == [1])
+            await wait_until_async(lambda: gated.sizes == [1], 10, "the first flush")
             for attempt in attempts[1:batch]:
                 done.add(attempt)  # one short of a batch behind it
             gated.gate.set()
-            await _until(lambda: len(settled) == 1)
+            await wait_until_async(lambda: len(settled) == 1, 10, "the lone outcome recorded")
             await asyncio.sleep(0.5)
             short = len(settled)
             done.add(attempts[batch])  # the batch is full: flushed without the gap
-            await _until(lambda: len(settled) == batch + 1)
+            await wait_until_async(lambda: len(settled) == batch + 1, 10, "the full batch recorded")
             return gated.sizes, short, len(settled)
         finally:
             runner.cancel()
