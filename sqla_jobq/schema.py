@@ -44,7 +44,7 @@ RUNNING_WHERE = "status = 'running' AND locked_until IS NOT NULL"
 # The schema version this code needs. The migrations record the version they
 # applied as the table's comment (as Oban does), so a worker can refuse to run
 # on a missing or outdated table, and a custom-named table carries its own.
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 # The version of the step that last changed the archive table's shape. Its
 # comment carries it, so a host's `include_object` recognises the archive too.
 ARCHIVE_VERSION = 5
@@ -122,7 +122,9 @@ class Names:
 
     @property
     def ready_index(self) -> str:
-        """Partial index on the classic `(queue, run_at)`, serving hand-written claims."""
+        """Partial index on the classic `(queue, run_at)`, serving hand-written
+        claims; `id` last (schema version 7) makes it serve the positional claim's
+        `(run_at, id)` order as a range, should the planner pick it."""
         return f"{self.table}_ready_idx"
 
     @property
@@ -315,6 +317,7 @@ def jobs_table(metadata: MetaData, name: str = "jobs", schema: str | None = None
             names.ready_index,
             "queue",
             "run_at",
+            "id",
             postgresql_where=text("status = 'queued'"),
         ),
         Index(

@@ -497,6 +497,27 @@ def _v6_down(n: Names) -> list[str]:
     ]
 
 
+def _ready_index(n: Names, columns: str) -> list[str]:
+    # Built beside the old one and renamed into place: the build reads the
+    # whole table under a SHARE lock (reads go on, writes wait); the old
+    # index's name is only unavailable for the moment of the swap.
+    building = f"{n.table}_ready_idx_new"
+    return [
+        f"CREATE INDEX {quote_ident(building)} ON {n.qualified} ({columns}) "
+        "WHERE status = 'queued'",
+        f"DROP INDEX {qualify(n.schema, n.ready_index)}",
+        f"ALTER INDEX {qualify(n.schema, building)} RENAME TO {quote_ident(n.ready_index)}",
+    ]
+
+
+def _v7_up(n: Names) -> list[str]:
+    return _ready_index(n, "queue, run_at, id")
+
+
+def _v7_down(n: Names) -> list[str]:
+    return _ready_index(n, "queue, run_at")
+
+
 STEPS: tuple[Step, ...] = (
     Step(
         1,
@@ -549,6 +570,15 @@ STEPS: tuple[Step, ...] = (
         "(which bounds `locked_until`) uses it and fenced statements take the primary key",
         _v6_up,
         _v6_down,
+    ),
+    Step(
+        7,
+        "the ready index gains `id` as its last column, `(queue, run_at, id)`, so a "
+        "claim past a position in `(run_at, id)` order is one index range whichever "
+        "index the planner takes: on `(queue, run_at)` it sorted the whole backlog past "
+        "the position under its lock (PostgreSQL 15, statistics of a short queue)",
+        _v7_up,
+        _v7_down,
     ),
 )
 

@@ -242,6 +242,35 @@ def test_step_6_sets_exactly_the_autovacuum_settings_on_a_version_5_table_and_do
     assert table_comment(fresh_db, "jobs") == "sqla_jobq schema version 5"
 
 
+def ready_index(url: str) -> str:
+    with psycopg.connect(conninfo(url), autocommit=True) as conn:
+        row = conn.execute("SELECT pg_get_indexdef('jobs_ready_idx'::regclass)").fetchone()
+        assert row is not None
+        return str(row[0])
+
+
+def test_step_7_ends_the_ready_index_in_id_and_down_restores_it_with_the_jobs_intact(
+    fresh_db: str,
+) -> None:
+    alembic(REPO_ROOT, "upgrade", "sqla_jobq_0006", url=fresh_db)
+    with psycopg.connect(conninfo(fresh_db), autocommit=True) as conn:
+        conn.execute("INSERT INTO jobs (payload) SELECT '{}' FROM generate_series(1, 100)")
+    six = ready_index(fresh_db)
+    assert six.endswith("(queue, run_at) WHERE (status = 'queued'::text)"), six
+
+    alembic(REPO_ROOT, "upgrade", "sqla_jobq_0007", url=fresh_db)
+    assert ready_index(fresh_db) == six.replace("run_at)", "run_at, id)")
+    assert table_comment(fresh_db, "jobs") == "sqla_jobq schema version 7"
+    with psycopg.connect(conninfo(fresh_db), autocommit=True) as conn:
+        conn.execute("SET enable_seqscan = off")
+        queued = "SELECT count(*) FROM jobs WHERE queue = 'default' AND status = 'queued'"
+        assert conn.execute(queued).fetchone() == (100,)
+
+    alembic(REPO_ROOT, "downgrade", "sqla_jobq_0006", url=fresh_db)
+    assert ready_index(fresh_db) == six
+    assert table_comment(fresh_db, "jobs") == "sqla_jobq schema version 6"
+
+
 def test_a_fresh_table_at_the_latest_version_has_exactly_the_step_6_settings(
     fresh_db: str,
 ) -> None:
