@@ -31,13 +31,23 @@ SELECT = (
     "AND status = 'queued' AND run_at <= now() ORDER BY priority DESC, run_at, id LIMIT 10 "
     "FOR UPDATE SKIP LOCKED"
 )
-STEP = (
-    "WITH c AS (UPDATE jobs SET status = 'running', attempts = attempts + 1, "
-    "started_at = now() WHERE id = ANY(ARRAY(SELECT id FROM jobs WHERE queue = 'default' "
-    "AND status = 'queued' AND run_at <= now() ORDER BY priority DESC, run_at, id LIMIT 50 "
-    "FOR UPDATE SKIP LOCKED)) RETURNING id) "
-    "UPDATE jobs SET status = 'done', finished_at = now() FROM c WHERE jobs.id = c.id"
+# Claim, then complete, as two statements: one statement cannot update a row
+# its own CTE updated (PostgreSQL applies only one of the two), so a single
+# CTE-fed completion would leave every job running, with one dead version
+# instead of the worker's two.
+CLAIM = (
+    "UPDATE jobs SET status = 'running', attempts = attempts + 1, started_at = now() "
+    "WHERE id = ANY(ARRAY(SELECT id FROM jobs WHERE queue = 'default' AND status = 'queued' "
+    "AND run_at <= now() ORDER BY priority DESC, run_at, id LIMIT 50 FOR UPDATE SKIP LOCKED)) "
+    "RETURNING id"
 )
+COMPLETE = "UPDATE jobs SET status = 'done', finished_at = now() WHERE id = ANY(%s)"
+
+
+def _step(conn: psycopg.Connection[Any]) -> None:
+    """50 jobs claimed and completed, each commit apart, as a worker does."""
+    ids = [row[0] for row in conn.execute(CLAIM).fetchall()]
+    conn.execute(COMPLETE, [ids])
 
 
 def _probe(conn: psycopg.Connection[Any]) -> tuple[float, int]:
@@ -72,7 +82,7 @@ def run(minutes: float, log: Any) -> dict[str, Any]:
                         f"{ms:.2f} ms, {buffers:,} buffers"
                     )
                     for _ in range(per_step // 50):
-                        conn.execute(STEP)
+                        _step(conn)
             holder.rollback()
     return {"jobs_per_step": per_step, "steps": steps}
 
