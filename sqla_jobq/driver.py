@@ -186,7 +186,7 @@ class Driver:
         name += "_skipping" if skip_locked else ""
         pairs: dict[str, Any] = _pairs(keys)
         if results is not None:
-            pairs.update(result_ids=pairs["ids"], results=list(results))
+            pairs["results"] = list(results)
         return await self._matched(name, keys, **pairs)
 
     async def _matched(self, name: str, keys: Sequence[Key], **values: Any) -> set[Key]:

@@ -613,15 +613,17 @@ def _owned_ids(jobs: Sequence[tuple[int, int]]) -> BindParameter[Any]:
     return bindparam("ids", [j[0] for j in jobs], type_=ARRAY(BigInteger))
 
 
-def _owned_rows(jobs: Sequence[tuple[int, int]]) -> Any:
-    """`(id, attempts)` pairs as a table: two arrays unnested side by side."""
-    return (
-        func.unnest(
-            _owned_ids(jobs), bindparam("attempts", [j[1] for j in jobs], type_=ARRAY(Integer))
-        )
-        .table_valued("id", "attempts")
-        .render_derived(name="owned")
-    )
+def _owned_rows(
+    jobs: Sequence[tuple[int, int]], results: Sequence[str | None] | None = None
+) -> Any:
+    """`(id, attempts)` pairs as a table: two arrays unnested side by side;
+    with `results`, a third column `result` beside each pair."""
+    arrays = [_owned_ids(jobs), bindparam("attempts", [j[1] for j in jobs], type_=ARRAY(Integer))]
+    columns = ["id", "attempts"]
+    if results is not None:
+        arrays.append(bindparam("results", list(results), type_=ARRAY(Text)))
+        columns.append("result")
+    return func.unnest(*arrays).table_valued(*columns).render_derived(name="owned")
 
 
 def _by_id(table: Table, jobs: Sequence[tuple[int, int]], owned: Any) -> ColumnElement[bool]:
@@ -694,21 +696,16 @@ def complete_many(
     batch is recorded and the held row retried later.
     """
     c = table.c
+    owned = _owned_rows(jobs, results)
     stmt = update(table).values(**_DONE).returning(c.id, c.attempts)
     if skip_locked:
         stmt = stmt.where(_lockable(table, jobs))
+        if results is not None:
+            stmt = stmt.where(c.id == owned.c.id)
     else:
-        stmt = stmt.where(*_fence_many(table, jobs, _owned_rows(jobs)))
+        stmt = stmt.where(*_fence_many(table, jobs, owned))
     if results is not None:
-        given = (
-            func.unnest(
-                bindparam("result_ids", [j[0] for j in jobs], type_=ARRAY(BigInteger)),
-                bindparam("results", list(results), type_=ARRAY(Text)),
-            )
-            .table_valued("id", "result")
-            .render_derived(name="given")
-        )
-        stmt = stmt.where(c.id == given.c.id).values(result=cast(given.c.result, JSONB))
+        stmt = stmt.values(result=cast(owned.c.result, JSONB))
     return stmt
 
 

@@ -74,3 +74,34 @@ def test_batch_skipping_a_row_another_session_holds_matches_the_rest(
 
     keys, done = asyncio.run(scenario())
     assert done == {keys[1]}
+
+
+
+def test_batch_skipping_a_locked_row_stores_each_result_on_its_own_job(
+    database_url: str, engine: Engine, table: Table, raw: Raw
+) -> None:
+    """Results travel beside the ids they belong to: the locked row keeps
+    none and stays running, the other gets its own, not its neighbour's."""
+    _enqueue(engine, table, 3)
+
+    async def scenario() -> tuple[list[tuple[int, int]], set[Any]]:
+        driver = Driver(database_url, lifecycle_statements(table, ["default"], LEASE), True)
+        try:
+            keys = await _claimed(driver, 3)
+            with psycopg.connect(conninfo(database_url)) as holder:
+                lock = f'SELECT 1 FROM "{table.name}" WHERE id = %s FOR UPDATE'
+                holder.execute(lock, [keys[1][0]])
+                results = ['{"r": 0}', '{"r": 1}', None]
+                done = await driver.complete_many(keys, results, skip_locked=True)
+            return keys, done
+        finally:
+            await driver.close()
+
+    keys, done = asyncio.run(scenario())
+    assert done == {keys[0], keys[2]}
+    rows = [job_row(raw, table, key[0]) for key in keys]
+    assert [(r["status"], r["result"]) for r in rows] == [
+        ("done", {"r": 0}),
+        ("running", None),
+        ("done", None),
+    ]
