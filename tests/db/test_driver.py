@@ -76,7 +76,6 @@ def test_batch_skipping_a_row_another_session_holds_matches_the_rest(
     assert done == {keys[1]}
 
 
-
 def test_batch_skipping_a_locked_row_stores_each_result_on_its_own_job(
     database_url: str, engine: Engine, table: Table, raw: Raw
 ) -> None:
