@@ -9,52 +9,29 @@ The cluster is stopped and removed when the scene ends, whatever happens.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import socket
 import subprocess
-import tempfile
 import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import psycopg
 
 from sqla_jobq import jobs, statements
 from sqla_jobq.db import conninfo
+from tests.support.cluster import throwaway_cluster as throwaway_server
 
 from .. import common
 
-PG_BIN = Path("/usr/lib/postgresql/15/bin")
-PGBOUNCER = shutil.which("pgbouncer") or "/usr/sbin/pgbouncer"
 SAMPLE_SECONDS = 10.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _as_postgres(*args: str) -> list[str]:
-    return ["runuser", "-u", "postgres", "--", *args] if os.geteuid() == 0 else list(args)
-
-
-def _postgres_dir(prefix: str) -> Path:
-    root = Path(tempfile.mkdtemp(prefix=prefix))
-    if os.geteuid() == 0:
-        shutil.chown(root, "postgres", "postgres")
-    return root
 
 
 @dataclass(frozen=True)
 class Cluster:
     port: int
-    root: Path
 
     def url(self, database: str = "scene") -> str:
         return f"postgresql://postgres@127.0.0.1:{self.port}/{database}"
@@ -87,47 +64,18 @@ class Cluster:
 @contextmanager
 def throwaway_cluster() -> Iterator[Cluster]:
     """A fresh PostgreSQL 15 cluster with default settings, a migrated `scene` database."""
-    root = _postgres_dir("jobq_scene_")
-    data, port = root / "data", free_port()
-    subprocess.run(
-        _as_postgres(str(PG_BIN / "initdb"), "-D", str(data), "-A", "trust", "-U", "postgres"),
-        check=True,
-        capture_output=True,
-    )
-    options = f"-p {port} -k {root} -c listen_addresses=127.0.0.1"
-    subprocess.run(
-        _as_postgres(
-            str(PG_BIN / "pg_ctl"),
-            "-D",
-            str(data),
-            "-o",
-            options,
-            "-w",
-            "-l",
-            str(root / "log"),
-            "start",
-        ),
-        check=True,
-        capture_output=True,
-    )
-    cluster = Cluster(port, root)
-    try:
-        with cluster.connect("postgres") as conn:
+    with throwaway_server(settings=()) as server:
+        scene = Cluster(server.port)
+        with scene.connect("postgres") as conn:
             conn.execute("CREATE DATABASE scene")
         subprocess.run(
-            [*common.jobq_command(), "migrate", "--database-url", cluster.url()],
+            [*common.jobq_command(), "migrate", "--database-url", scene.url()],
             check=True,
             capture_output=True,
             cwd=common.REPO,
             env=common.child_env(),
         )
-        yield cluster
-    finally:
-        subprocess.run(
-            _as_postgres(str(PG_BIN / "pg_ctl"), "-D", str(data), "-m", "immediate", "-w", "stop"),
-            capture_output=True,
-        )
-        shutil.rmtree(root, ignore_errors=True)
+        yield scene
 
 
 # --- workers ---------------------------------------------------------------------

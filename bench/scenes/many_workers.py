@@ -30,92 +30,26 @@ the server; PgBouncer's default pool size, 20), and 4 x 8 direct with
 
 from __future__ import annotations
 
-import os
-import shutil
-import signal
 import statistics
-import subprocess
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import psycopg
 
-from sqla_jobq.db import conninfo
+from tests.support import pgbouncer
 
 from .. import common
 from . import base
-
-PGBOUNCER_INI = """\
-[databases]
-scene = host=127.0.0.1 port={pg_port} dbname=scene
-
-[pgbouncer]
-listen_addr = 127.0.0.1
-listen_port = {port}
-unix_socket_dir =
-auth_type = trust
-auth_file = {dir}/userlist.txt
-pool_mode = transaction
-ignore_startup_parameters = extra_float_digits, options
-max_client_conn = 200
-"""
-
-
-@contextmanager
-def pgbouncer(cluster: base.Cluster) -> Iterator[str]:
-    """PgBouncer in transaction mode in front of the scene database; its URL."""
-    root = base._postgres_dir("jobq_pgbouncer_")
-    port = base.free_port()
-    ini = root / "pgbouncer.ini"
-    ini.write_text(PGBOUNCER_INI.format(pg_port=cluster.port, port=port, dir=root))
-    (root / "userlist.txt").write_text('"postgres" ""\n')
-    if os.geteuid() == 0:
-        for path in (ini, root / "userlist.txt"):
-            shutil.chown(path, "postgres", "postgres")
-    log = open(root / "pgbouncer.log", "wb")  # noqa: SIM115
-    proc = subprocess.Popen(
-        base._as_postgres(base.PGBOUNCER, str(ini)),
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    url = f"postgresql://postgres@127.0.0.1:{port}/scene"
-    try:
-        deadline = time.monotonic() + 15
-        while True:
-            try:
-                psycopg.connect(conninfo(url), connect_timeout=2).close()
-                break
-            except psycopg.OperationalError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"pgbouncer did not start: {(root / 'pgbouncer.log').read_text()}"
-                    ) from None
-                time.sleep(0.1)
-        yield url
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        log.close()
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def run(minutes: float, log: Any, rounds: int = 3) -> dict[str, Any]:
     n = max(2_000, int(20_000 * min(1.0, minutes)))
     rounds = rounds if minutes >= 0.5 else 1
-    with_bouncer = Path(base.PGBOUNCER).exists()
     with (
         base.throwaway_cluster() as cluster,
-        pgbouncer(cluster) if with_bouncer else _none() as bouncer_url,
+        _pgbouncer(cluster) as bouncer_url,
     ):
         settings = cluster.settings()
         direct = cluster.url()
@@ -208,8 +142,14 @@ def drained(cluster: base.Cluster, n: int, name: str) -> tuple[float, int]:
 
 
 @contextmanager
-def _none() -> Iterator[None]:
-    yield None
+def _pgbouncer(cluster: base.Cluster) -> Iterator[str | None]:
+    """PgBouncer in transaction mode in front of the scene database, at its
+    default pool size (20); None where it is not installed."""
+    if not pgbouncer.installed():
+        yield None
+        return
+    with pgbouncer.running_pgbouncer(cluster.url(), pool_size=20) as bouncer:
+        yield bouncer.url
 
 
 def _running(

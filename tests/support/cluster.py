@@ -2,8 +2,9 @@
 
 initdb and pg_ctl refuse to run as root, so as root they run as the `postgres`
 user (`runuser`), in a directory that user owns. Used by the fault suite's
-`cluster` fixture (fast, unsafe settings) and by `python -m bench.soak`
-(PostgreSQL's defaults, so autovacuum works as in production).
+`cluster` fixture (fast, unsafe settings), and with PostgreSQL's defaults (so
+autovacuum works as in production) by `python -m bench.tools.soak` and the
+scenes (`bench/scenes/base.py`).
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ auth_file = {dir}/userlist.txt
 pool_mode = transaction
 ignore_startup_parameters = extra_float_digits, options
 max_client_conn = 200
-default_pool_size = 10
+default_pool_size = {pool_size}
 """
 
 
@@ -55,14 +55,17 @@ def installed() -> bool:
 
 
 @contextlib.contextmanager
-def running_pgbouncer(database_url: str) -> Iterator[Bouncer]:
-    """PgBouncer (transaction pooling) in front of `database_url`'s database, for the block."""
+def running_pgbouncer(database_url: str, pool_size: int = 10) -> Iterator[Bouncer]:
+    """PgBouncer (transaction pooling) in front of `database_url`'s database,
+    for the block; `pool_size` server connections per user and database."""
     url = parse_url(database_url)
     base = postgres_owned_tempdir("jobq-pgbouncer-")
     port = free_port()
     ini = base / "pgbouncer.ini"
     ini.write_text(
-        PGBOUNCER_INI.format(dbname=url.database, pg_port=url.port or 5432, port=port, dir=base)
+        PGBOUNCER_INI.format(
+            dbname=url.database, pg_port=url.port or 5432, port=port, dir=base, pool_size=pool_size
+        )
     )
     (base / "userlist.txt").write_text('"postgres" ""\n')
     for path in (ini, base / "userlist.txt"):
