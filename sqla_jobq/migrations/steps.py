@@ -295,7 +295,7 @@ def _status_check(n: Names, statuses: str) -> list[str]:
     ]
 
 
-def _claim_slots_body(n: Names) -> str:
+def _claim_slots_body(n: Names, running: str = "status = 'running'") -> str:
     """How many jobs a claim may take from `queue_name` now: NULL (no setting:
     the claim's own limit alone), 0 (paused), or its limit minus its running
     jobs. Claimers of one limited queue take turns on a transaction-level
@@ -325,7 +325,7 @@ BEGIN
   ELSIF cap IS NULL THEN
     RETURN NULL;
   END IF;
-  SELECT count(*) INTO busy FROM {n.qualified} WHERE queue = queue_name AND status = 'running';
+  SELECT count(*) INTO busy FROM {n.qualified} WHERE queue = queue_name AND {running};
   RETURN greatest(cap - busy, 0);
 END;
 """
@@ -388,17 +388,23 @@ END;
 def _v5_queue_control(n: Names) -> list[str]:
     """The claim's gate, and a wake-up for workers when a queue is resumed or
     its limit changes, so they claim at once rather than at their next poll."""
-    slots = qualify(n.schema, n.claim_slots)
     quotas = qualify(n.schema, n.claim_quotas)
     return [
-        f"CREATE FUNCTION {slots}(queue_name text) RETURNS int LANGUAGE plpgsql VOLATILE "
-        f"AS {quote_literal(_claim_slots_body(n))}",
+        _claim_slots(n, _claim_slots_body(n), replace=False),
         f"CREATE FUNCTION {quotas}(queue_names text[]) "
         "RETURNS TABLE (queue_name text, slots int) LANGUAGE plpgsql VOLATILE "
         f"AS {quote_literal(_claim_quotas_body(n))}",
         *_queues_trigger(n, replace=False),
         f"DO {quote_literal(_grant_queues_body(n))}",
     ]
+
+
+def _claim_slots(n: Names, body: str, *, replace: bool) -> str:
+    create = "CREATE OR REPLACE FUNCTION" if replace else "CREATE FUNCTION"
+    return (
+        f"{create} {qualify(n.schema, n.claim_slots)}(queue_name text) RETURNS int "
+        f"LANGUAGE plpgsql VOLATILE AS {quote_literal(body)}"
+    )
 
 
 def _queues_trigger(n: Names, *, replace: bool) -> list[str]:
@@ -511,11 +517,18 @@ def _ready_index(n: Names, columns: str) -> list[str]:
 
 
 def _v7_up(n: Names) -> list[str]:
-    return _ready_index(n, "queue, run_at, id")
+    # The limit's count of running jobs names the running index's predicate,
+    # which step 6 narrowed: counted by `status` alone it read the whole table.
+    # Only a claim through `statements.claim` consults the limit, and every
+    # such claim sets `locked_until`.
+    return [
+        *_ready_index(n, "queue, run_at, id"),
+        _claim_slots(n, _claim_slots_body(n, RUNNING_WHERE), replace=True),
+    ]
 
 
 def _v7_down(n: Names) -> list[str]:
-    return _ready_index(n, "queue, run_at")
+    return [*_ready_index(n, "queue, run_at"), _claim_slots(n, _claim_slots_body(n), replace=True)]
 
 
 STEPS: tuple[Step, ...] = (
@@ -576,7 +589,9 @@ STEPS: tuple[Step, ...] = (
         "the ready index gains `id` as its last column, `(queue, run_at, id)`, so a "
         "claim past a position in `(run_at, id)` order is one index range whichever "
         "index the planner takes: on `(queue, run_at)` it sorted the whole backlog past "
-        "the position under its lock (PostgreSQL 15, statistics of a short queue)",
+        "the position under its lock (PostgreSQL 15, statistics of a short queue); "
+        "`<name>_claim_slots` counts a limited queue's running jobs with the running "
+        "index's predicate, so the count uses that index instead of reading the table",
         _v7_up,
         _v7_down,
     ),

@@ -249,17 +249,29 @@ def ready_index(url: str) -> str:
         return str(row[0])
 
 
-def test_step_7_ends_the_ready_index_in_id_and_down_restores_it_with_the_jobs_intact(
+def slots_count(url: str) -> str:
+    """The line of `jobs_claim_slots` that counts a limited queue's running jobs."""
+    with psycopg.connect(conninfo(url), autocommit=True) as conn:
+        found = "SELECT prosrc FROM pg_proc WHERE proname = 'jobs_claim_slots'"
+        row = conn.execute(found).fetchone()
+        assert row is not None
+        (line,) = [ln.strip() for ln in str(row[0]).splitlines() if "count(*)" in ln]
+        return line
+
+
+def test_step_7_ends_the_ready_index_in_id_counts_running_jobs_by_lease_and_down_restores_both(
     fresh_db: str,
 ) -> None:
     alembic(REPO_ROOT, "upgrade", "sqla_jobq_0006", url=fresh_db)
     with psycopg.connect(conninfo(fresh_db), autocommit=True) as conn:
         conn.execute("INSERT INTO jobs (payload) SELECT '{}' FROM generate_series(1, 100)")
-    six = ready_index(fresh_db)
+    six, counted = ready_index(fresh_db), slots_count(fresh_db)
     assert six.endswith("(queue, run_at) WHERE (status = 'queued'::text)"), six
+    assert counted.endswith("WHERE queue = queue_name AND status = 'running';"), counted
 
     alembic(REPO_ROOT, "upgrade", "sqla_jobq_0007", url=fresh_db)
     assert ready_index(fresh_db) == six.replace("run_at)", "run_at, id)")
+    assert slots_count(fresh_db) == counted.replace(";", " AND locked_until IS NOT NULL;")
     assert table_comment(fresh_db, "jobs") == "sqla_jobq schema version 7"
     with psycopg.connect(conninfo(fresh_db), autocommit=True) as conn:
         conn.execute("SET enable_seqscan = off")
@@ -268,6 +280,7 @@ def test_step_7_ends_the_ready_index_in_id_and_down_restores_it_with_the_jobs_in
 
     alembic(REPO_ROOT, "downgrade", "sqla_jobq_0006", url=fresh_db)
     assert ready_index(fresh_db) == six
+    assert slots_count(fresh_db) == counted
     assert table_comment(fresh_db, "jobs") == "sqla_jobq schema version 6"
 
 
