@@ -5,6 +5,7 @@ attempt, a row another session holds) by reading the returned rows."""
 from __future__ import annotations
 
 import asyncio
+import json
 from datetime import timedelta
 from typing import Any
 
@@ -104,3 +105,31 @@ def test_batch_skipping_a_locked_row_stores_each_result_on_its_own_job(
         ("running", None),
         ("done", None),
     ]
+
+
+def test_results_with_quotes_backslashes_and_braces_are_stored_as_given(
+    database_url: str, engine: Engine, table: Table, raw: Raw
+) -> None:
+    """Results go to the server as one array literal (see `_text_array`): no
+    text may read as NULL, end its element early or split the array."""
+    tricky: list[Any] = [
+        {"q": 'say "hi"', "path": "C:\\dir\\", "set": "{a,b}"},
+        "NULL",
+        "",
+        {"emoji": "\u00e9\u2603", "nested": [1, {"x": None}]},
+        None,
+    ]
+    _enqueue(engine, table, len(tricky))
+
+    async def scenario() -> list[tuple[int, int]]:
+        driver = Driver(database_url, lifecycle_statements(table, ["default"], LEASE), True)
+        try:
+            keys = await _claimed(driver, len(tricky))
+            results = [None if r is None else json.dumps(r) for r in tricky]
+            assert await driver.complete_many(keys, results) == set(keys)
+            return keys
+        finally:
+            await driver.close()
+
+    keys = asyncio.run(scenario())
+    assert [job_row(raw, table, key[0])["result"] for key in keys] == tricky
