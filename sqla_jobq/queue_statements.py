@@ -61,7 +61,11 @@ def settings(table: Table) -> Select[Any]:
     enqueued since its setting last changed (a paused queue's growing backlog)."""
     s = queues_table(MetaData(), table.name, table.schema).c
     c = table.c
-    running = select(func.count()).where(c.queue == s.name, status_is(c.status, "running"))
+    # The limit's own count (see `migrations.steps._claim_slots_body`), which
+    # the running index serves: running jobs hold a lease.
+    running = select(func.count()).where(
+        c.queue == s.name, status_is(c.status, "running"), c.locked_until.is_not(None)
+    )
     arrived = select(func.count()).where(
         c.queue == s.name, status_is(c.status, "queued"), c.created_at > s.updated_at
     )

@@ -106,7 +106,7 @@ def test_a_limit_caps_each_claim_at_the_free_slots_and_removing_it_lifts_the_cap
         assert len(claim(a, table)) == 3
 
 
-def test_a_limited_claim_counts_the_running_jobs_without_reading_the_history(
+def test_a_limited_claim_and_the_settings_list_count_running_jobs_without_reading_the_history(
     engine: Engine, table: Table
 ) -> None:
     """The limit's count of running jobs goes through the running index. When
@@ -114,7 +114,8 @@ def test_a_limited_claim_counts_the_running_jobs_without_reading_the_history(
     the count, `status = 'running'` alone, could no longer use it and read
     the whole table, history included, on every claim of a limited queue
     while holding the queue's lock: two `-c 8` workers under a limit of 64
-    drained at 0.23x of the same workers unlimited."""
+    drained at 0.23x of the same workers unlimited. The settings list shows
+    the same count beside the limit."""
     name = table.name
     with autocommit(engine) as conn:
         conn.exec_driver_sql(
@@ -128,6 +129,8 @@ def test_a_limited_claim_counts_the_running_jobs_without_reading_the_history(
         assert len(claim(conn, table)) == 10
     with engine.begin() as conn:
         assert len(claim(conn, table)) == 10
+        (listed,) = conn.execute(qs.settings(table)).all()
+        assert listed.running == 20
         scans = conn.exec_driver_sql(
             "SELECT seq_scan FROM pg_stat_xact_user_tables WHERE relid = %(t)s::regclass",
             {"t": f'"{name}"'},
