@@ -15,8 +15,8 @@ article's hand-written claims (`ORDER BY run_at`) use it as before.
 The new index is built beside the old one and renamed into place. The build
 reads the whole table (finished jobs too) under a SHARE lock: reads go on,
 enqueues, claims and completions wait for it (measured: about 0.1 s per
-million rows, 128 MB, on this machine). Prune or archive a long history first to
-keep that short.
+million rows, 128 MB, on a 2-core VM). Prune or archive a long history
+first to keep that short.
 
 `<table>_claim_slots` is replaced: it counts a limited queue's running jobs
 with `status = 'running' AND locked_until IS NOT NULL`, the running index's
