@@ -112,10 +112,16 @@ def catalog(url: str, schema: str = "public") -> Catalog:
         )
 
 
-def table_comment(url: str, qualified: str) -> str | None:
+def value(url: str, sql: str, *params: object) -> Any:
+    """The one value a catalog query returns, on a connection of its own."""
     with psycopg.connect(conninfo(url), autocommit=True) as conn:
-        row = conn.execute("SELECT obj_description(to_regclass(%s), 'pg_class')", [qualified])
-        return row.fetchone()[0]  # type: ignore[index]
+        row = conn.execute(sql, params).fetchone()
+        assert row is not None, sql
+        return row[0]
+
+
+def table_comment(url: str, qualified: str) -> str | None:
+    return value(url, "SELECT obj_description(to_regclass(%s), 'pg_class')", qualified)  # type: ignore[no-any-return]
 
 
 def write(path: Path, content: str) -> Path:
@@ -210,12 +216,7 @@ STEP_6_RELOPTIONS = [
 
 
 def reloptions(url: str, qualified: str) -> list[str] | None:
-    with psycopg.connect(conninfo(url), autocommit=True) as conn:
-        row = conn.execute(
-            "SELECT reloptions FROM pg_class WHERE oid = to_regclass(%s)", [qualified]
-        ).fetchone()
-        assert row is not None, qualified
-        return row[0]  # type: ignore[no-any-return]
+    return value(url, "SELECT reloptions FROM pg_class WHERE oid = to_regclass(%s)", qualified)  # type: ignore[no-any-return]
 
 
 def test_step_6_sets_exactly_the_autovacuum_settings_on_a_version_5_table_and_down_resets_them(
@@ -243,20 +244,14 @@ def test_step_6_sets_exactly_the_autovacuum_settings_on_a_version_5_table_and_do
 
 
 def ready_index(url: str) -> str:
-    with psycopg.connect(conninfo(url), autocommit=True) as conn:
-        row = conn.execute("SELECT pg_get_indexdef('jobs_ready_idx'::regclass)").fetchone()
-        assert row is not None
-        return str(row[0])
+    return str(value(url, "SELECT pg_get_indexdef('jobs_ready_idx'::regclass)"))
 
 
 def slots_count(url: str) -> str:
     """The line of `jobs_claim_slots` that counts a limited queue's running jobs."""
-    with psycopg.connect(conninfo(url), autocommit=True) as conn:
-        found = "SELECT prosrc FROM pg_proc WHERE proname = 'jobs_claim_slots'"
-        row = conn.execute(found).fetchone()
-        assert row is not None
-        (line,) = [ln.strip() for ln in str(row[0]).splitlines() if "count(*)" in ln]
-        return line
+    source = value(url, "SELECT prosrc FROM pg_proc WHERE proname = 'jobs_claim_slots'")
+    (line,) = [ln.strip() for ln in str(source).splitlines() if "count(*)" in ln]
+    return line
 
 
 def test_step_7_ends_the_ready_index_in_id_counts_running_jobs_by_lease_and_down_restores_both(
