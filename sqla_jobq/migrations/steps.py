@@ -31,8 +31,12 @@ class Step:
     down: Callable[[Names], list[str]]
 
 
-def _function(function: str, body: str, *, replace: bool = False) -> str:
-    """A trigger function whose body is a plain string literal.
+TRIGGER = "() RETURNS trigger LANGUAGE plpgsql"
+
+
+def _function(function: str, body: str, *, replace: bool = False, signature: str = TRIGGER) -> str:
+    """A plpgsql function (by default a trigger function) whose body is a
+    plain string literal.
 
     A dollar-quoted body with a fixed tag (`$jobq$`, as steps 1 and 2 were
     first released) broke on a table name containing that tag. Quoting the
@@ -41,7 +45,7 @@ def _function(function: str, body: str, *, replace: bool = False) -> str:
     dollar-quoted statement made, for every name that statement accepted.
     """
     create = "CREATE OR REPLACE FUNCTION" if replace else "CREATE FUNCTION"
-    return f"{create} {function}() RETURNS trigger LANGUAGE plpgsql AS {quote_literal(body)}"
+    return f"{create} {function}{signature} AS {quote_literal(body)}"
 
 
 def _v1_notify_body(n: Names) -> str:
@@ -389,22 +393,20 @@ def _v5_queue_control(n: Names) -> list[str]:
     """The claim's gate, and a wake-up for workers when a queue is resumed or
     its limit changes, so they claim at once rather than at their next poll."""
     quotas = qualify(n.schema, n.claim_quotas)
+    signature = (
+        "(queue_names text[]) RETURNS TABLE (queue_name text, slots int) LANGUAGE plpgsql VOLATILE"
+    )
     return [
         _claim_slots(n, _claim_slots_body(n), replace=False),
-        f"CREATE FUNCTION {quotas}(queue_names text[]) "
-        "RETURNS TABLE (queue_name text, slots int) LANGUAGE plpgsql VOLATILE "
-        f"AS {quote_literal(_claim_quotas_body(n))}",
+        _function(quotas, _claim_quotas_body(n), signature=signature),
         *_queues_trigger(n, replace=False),
         f"DO {quote_literal(_grant_queues_body(n))}",
     ]
 
 
 def _claim_slots(n: Names, body: str, *, replace: bool) -> str:
-    create = "CREATE OR REPLACE FUNCTION" if replace else "CREATE FUNCTION"
-    return (
-        f"{create} {qualify(n.schema, n.claim_slots)}(queue_name text) RETURNS int "
-        f"LANGUAGE plpgsql VOLATILE AS {quote_literal(body)}"
-    )
+    signature = "(queue_name text) RETURNS int LANGUAGE plpgsql VOLATILE"
+    return _function(qualify(n.schema, n.claim_slots), body, replace=replace, signature=signature)
 
 
 def _queues_trigger(n: Names, *, replace: bool) -> list[str]:
