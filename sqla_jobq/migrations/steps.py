@@ -31,10 +31,10 @@ class Step:
     down: Callable[[Names], list[str]]
 
 
-TRIGGER = "() RETURNS trigger LANGUAGE plpgsql"
+_TRIGGER = "() RETURNS trigger LANGUAGE plpgsql"
 
 
-def _function(function: str, body: str, *, replace: bool = False, signature: str = TRIGGER) -> str:
+def _function(function: str, body: str, *, replace: bool = False, signature: str = _TRIGGER) -> str:
     """A plpgsql function (by default a trigger function) whose body is a
     plain string literal.
 
