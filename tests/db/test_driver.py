@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -29,22 +31,50 @@ async def _claimed(driver: Driver, count: int) -> list[tuple[int, int]]:
     return sorted((r["id"], r["attempts"]) for r in rows)
 
 
+@asynccontextmanager
+async def _driver(database_url: str, table: Table) -> AsyncIterator[Driver]:
+    driver = Driver(database_url, lifecycle_statements(table, ["default"], LEASE), True)
+    try:
+        yield driver
+    finally:
+        await driver.close()
+
+
+def _complete_while_held(
+    database_url: str,
+    table: Table,
+    count: int,
+    held: int,
+    results: Sequence[str | None] | None = None,
+) -> tuple[list[tuple[int, int]], set[Any]]:
+    """Claim `count` jobs and complete them, skipping locked rows, while
+    another session holds the row of the `held`-th: the keys, and what matched."""
+
+    async def scenario() -> tuple[list[tuple[int, int]], set[Any]]:
+        async with _driver(database_url, table) as driver:
+            keys = await _claimed(driver, count)
+            with psycopg.connect(conninfo(database_url)) as holder:
+                lock = f'SELECT 1 FROM "{table.name}" WHERE id = %s FOR UPDATE'
+                holder.execute(lock, [keys[held][0]])
+                done = await driver.complete_many(keys, results, skip_locked=True)
+            return keys, done
+
+    return asyncio.run(scenario())
+
+
 def test_batch_with_a_stale_attempt_matches_only_the_live_ones(
     database_url: str, engine: Engine, table: Table, raw: Raw
 ) -> None:
     _enqueue(engine, table, 3)
 
     async def scenario() -> tuple[set[Any], set[Any], set[Any]]:
-        driver = Driver(database_url, lifecycle_statements(table, ["default"], LEASE), True)
-        try:
+        async with _driver(database_url, table) as driver:
             (a, b, c) = await _claimed(driver, 3)
             stale = (c[0], c[1] + 1)
             extended = await driver.extend_leases([a, b, c], LEASE)
             done = await driver.complete_many([a, stale], ['{"r": 1}', None])
             handed = await driver.hand_back([b, c, a], refund=False)
             return extended, done, handed
-        finally:
-            await driver.close()
 
     extended, done, handed = asyncio.run(scenario())
     assert len(extended) == 3
@@ -60,20 +90,7 @@ def test_batch_skipping_a_row_another_session_holds_matches_the_rest(
     database_url: str, engine: Engine, table: Table
 ) -> None:
     _enqueue(engine, table, 2)
-
-    async def scenario() -> tuple[list[tuple[int, int]], set[Any]]:
-        driver = Driver(database_url, lifecycle_statements(table, ["default"], LEASE), True)
-        try:
-            keys = await _claimed(driver, 2)
-            with psycopg.connect(conninfo(database_url)) as holder:
-                lock = f'SELECT 1 FROM "{table.name}" WHERE id = %s FOR UPDATE'
-                holder.execute(lock, [keys[0][0]])
-                done = await driver.complete_many(keys, skip_locked=True)
-            return keys, done
-        finally:
-            await driver.close()
-
-    keys, done = asyncio.run(scenario())
+    keys, done = _complete_while_held(database_url, table, 2, held=0)
     assert done == {keys[1]}
 
 
@@ -83,21 +100,8 @@ def test_batch_skipping_a_locked_row_stores_each_result_on_its_own_job(
     """Results travel beside the ids they belong to: the locked row keeps
     none and stays running, the other gets its own, not its neighbour's."""
     _enqueue(engine, table, 3)
-
-    async def scenario() -> tuple[list[tuple[int, int]], set[Any]]:
-        driver = Driver(database_url, lifecycle_statements(table, ["default"], LEASE), True)
-        try:
-            keys = await _claimed(driver, 3)
-            with psycopg.connect(conninfo(database_url)) as holder:
-                lock = f'SELECT 1 FROM "{table.name}" WHERE id = %s FOR UPDATE'
-                holder.execute(lock, [keys[1][0]])
-                results = ['{"r": 0}', '{"r": 1}', None]
-                done = await driver.complete_many(keys, results, skip_locked=True)
-            return keys, done
-        finally:
-            await driver.close()
-
-    keys, done = asyncio.run(scenario())
+    results = ['{"r": 0}', '{"r": 1}', None]
+    keys, done = _complete_while_held(database_url, table, 3, held=1, results=results)
     assert done == {keys[0], keys[2]}
     rows = [job_row(raw, table, key[0]) for key in keys]
     assert [(r["status"], r["result"]) for r in rows] == [
@@ -122,14 +126,11 @@ def test_results_with_quotes_backslashes_and_braces_are_stored_as_given(
     _enqueue(engine, table, len(tricky))
 
     async def scenario() -> list[tuple[int, int]]:
-        driver = Driver(database_url, lifecycle_statements(table, ["default"], LEASE), True)
-        try:
+        async with _driver(database_url, table) as driver:
             keys = await _claimed(driver, len(tricky))
             results = [None if r is None else json.dumps(r) for r in tricky]
             assert await driver.complete_many(keys, results) == set(keys)
             return keys
-        finally:
-            await driver.close()
 
     keys = asyncio.run(scenario())
     assert [job_row(raw, table, key[0])["result"] for key in keys] == tricky
