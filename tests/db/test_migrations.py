@@ -235,8 +235,7 @@ def test_step_6_sets_exactly_the_autovacuum_settings_on_a_version_5_table_and_do
     # Only the jobs table: the archive and the side tables keep the defaults.
     for side in ("jobs_archive", "jobs_queues", "jobs_workers", "jobs_schedules"):
         assert reloptions(fresh_db, side) is None
-    with psycopg.connect(conninfo(fresh_db), autocommit=True) as conn:
-        assert conn.execute("SELECT count(*) FROM jobs").fetchone() == (1,)
+    assert value(fresh_db, "SELECT count(*) FROM jobs") == 1
 
     alembic(REPO_ROOT, "downgrade", "sqla_jobq_0005", url=fresh_db)
     assert reloptions(fresh_db, "jobs") == ["toast_tuple_target=4080"]
