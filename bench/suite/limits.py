@@ -49,8 +49,9 @@ BATCH = 10
 
 COMPLETE = """\
 UPDATE jobs SET status = 'done', locked_until = NULL, finished_at = now()
-FROM unnest(CAST(:ids AS bigint[]), CAST(:att AS int[])) AS owned (id, attempts)
-WHERE jobs.id = owned.id AND jobs.status = 'running' AND jobs.attempts = owned.attempts;
+WHERE id = ANY (CAST(:ids AS bigint[]))
+  AND attempts = (CAST(:att AS int[]))[array_position(CAST(:ids AS bigint[]), id)]
+  AND status = 'running';
 """
 
 

@@ -15,7 +15,7 @@ import psycopg
 from sqlalchemy import Engine, Table
 
 from sqla_jobq.db import conninfo
-from sqla_jobq.driver import Driver, lifecycle_statements
+from sqla_jobq.driver import Driver, Fates, Key, lifecycle_statements
 from tests.support.rows import Raw, enqueue, job_row
 
 LEASE = timedelta(minutes=5)
@@ -84,6 +84,31 @@ def test_batch_with_a_stale_attempt_matches_only_the_live_ones(
     rows = {key: job_row(raw, table, key[0]) for key in (a, b, c)}
     assert {k: r["status"] for k, r in rows.items()} == {a: "done", b: "queued", c: "queued"}
     assert rows[a]["result"] == {"r": 1}
+
+
+def test_batch_holding_two_attempts_of_one_job_matches_only_the_newest(
+    database_url: str, engine: Engine, table: Table, raw: Raw
+) -> None:
+    """The driver sends a batch in the order the statements look pairs up in:
+    the stale attempt, sent first, must neither hide the live one nor lend
+    it its result."""
+    _enqueue(engine, table, 1)
+
+    async def scenario() -> tuple[Key, Key, Fates, set[Key]]:
+        async with _driver(database_url, table) as driver:
+            [stale] = await _claimed(driver, 1)
+            raw.execute(f'UPDATE "{table.name}" SET status = \'queued\' WHERE id = %s', [stale[0]])
+            [live] = await _claimed(driver, 1)
+            fates = await driver.fates([stale, live])
+            done = await driver.complete_many([stale, live], ['"stale"', '"live"'])
+            return stale, live, fates, done
+
+    stale, live, fates, done = asyncio.run(scenario())
+    assert live == (stale[0], stale[1] + 1)
+    assert fates.busy == {live}
+    assert done == {live}
+    row = job_row(raw, table, live[0])
+    assert (row["status"], row["result"]) == ("done", "live")
 
 
 def test_batch_skipping_a_row_another_session_holds_matches_the_rest(

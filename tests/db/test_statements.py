@@ -163,6 +163,33 @@ def test_stale_worker_cannot_complete_fail_or_extend_reclaimed_job(
         assert (row.status, row.attempts, row.locked_until) == ("done", 2, None)
 
 
+@pytest.mark.parametrize("stale_first", [True, False])
+@pytest.mark.parametrize("skip_locked", [False, True])
+def test_batch_holding_two_attempts_of_one_job_finishes_only_the_newest_with_its_result(
+    engine: Engine, table: Table, stale_first: bool, skip_locked: bool
+) -> None:
+    """A worker whose lease ran out can claim the job again and hold both
+    attempts' outcomes in one batch. Each row looks its pair up at its id's
+    first position in the batch, so the newest attempt must be found there
+    whatever order the batch came in, and the result stored must be its own."""
+    with autocommit(engine) as conn:
+        job_id = client.enqueue(conn, table, "t", {})
+        claim_one(conn, table, lease=SHORT_LEASE)
+        time.sleep(0.1)
+        conn.execute(statements.reap(table))
+        claim_one(conn, table)
+        pairs = [(job_id, 1), (job_id, 2)]
+        results = ['"stale"', '"live"']
+        if not stale_first:
+            pairs, results = pairs[::-1], results[::-1]
+        fates = conn.execute(statements.fates(table, pairs)).all()
+        assert [tuple(r) for r in fates] == [(job_id, 2, "running")]
+        done = statements.complete_many(table, pairs, results, skip_locked=skip_locked)
+        assert [tuple(r) for r in conn.execute(done)] == [(job_id, 2)]
+        row = job(conn, table, job_id)
+        assert (row.status, row.attempts, row.result) == ("done", 2, "live")
+
+
 def test_new_owner_can_fail_and_extend_its_reclaimed_job(engine: Engine, table: Table) -> None:
     with autocommit(engine) as conn:
         job_id = client.enqueue(conn, table, "t", {})
@@ -791,6 +818,7 @@ def test_fenced_statements_find_their_rows_by_primary_key_in_generic_plans(
             )
             assert f"{name}_running_idx" not in plan, (what, plan)
             assert f"{name}_pkey" in plan, (what, plan)
+            assert "Nested Loop" not in plan and "Function Scan" not in plan, (what, plan)
         conn.rollback()
 
 
@@ -816,7 +844,9 @@ def test_fenced_batches_find_their_rows_by_primary_key_when_statistics_saw_no_ru
     while no job is running (a full queue, an idle one), and then estimates
     one running row: the planner scanned the whole table for every batch and
     joined each row against the batch (25 to 60 ms a completion on 20,000
-    rows). The ids must go to the primary key whatever the statistics say."""
+    rows). The ids must go to the primary key whatever the statistics say, and
+    no join to the batch's pairs may be left for the planner to rescan per
+    row (see `statements._owned`)."""
     name = table.name
     with autocommit(engine) as conn:
         conn.exec_driver_sql(
@@ -845,6 +875,7 @@ def test_fenced_batches_find_their_rows_by_primary_key_when_statistics_saw_no_ru
             )
             assert "Seq Scan" not in plan, (what, plan)
             assert f"{name}_pkey" in plan, (what, plan)
+            assert "Nested Loop" not in plan and "Function Scan" not in plan, (what, plan)
         conn.rollback()
 
 

@@ -24,7 +24,7 @@ def session(url: str, worker: WorkerProcess, kind: str) -> int | None:
     for pid, _state, query in backends(url, worker.app_name):
         text = query or ""
         is_listen = text.lstrip().upper().startswith("LISTEN")
-        is_finisher = "unnest" in text
+        is_finisher = "status='done'" in text  # complete_many
         if kind == "listen" and is_listen:
             return pid
         if kind == "finisher" and is_finisher:
