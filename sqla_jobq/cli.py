@@ -554,6 +554,7 @@ def worker(
     from . import logs
     from .instrument import worker_observers
     from .loader import load_registry
+    from .threads import hand_the_gil_over_sooner
     from .worker import Worker, WorkerOptions
 
     level = logging.getLevelName(log_level.upper())
@@ -581,6 +582,7 @@ def worker(
         raise UsageError(str(exc)) from None
     registry = load_registry(app_spec)
     observers = worker_observers(metrics_port, metrics_host, otel)
+    hand_the_gil_over_sooner()
     code = asyncio.run(Worker(registry, options, observers).run())
     logging.shutdown()
     if threading.active_count() > 1:

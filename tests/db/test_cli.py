@@ -26,6 +26,7 @@ from sqla_jobq.db import conninfo
 from sqla_jobq.job import NewJob
 from sqla_jobq.migrations import check_schema
 from sqla_jobq.schema import Names, jobs_table
+from sqla_jobq.threads import SWITCH_INTERVAL
 from tests.support import APP_DIR
 from tests.support.processes import JOBQ
 from tests.support.queues import drop_queue_table
@@ -490,6 +491,19 @@ def test_worker_burst_runs_the_ready_jobs_and_exits_0(
     assert "worker started" in result.stderr
     assert "worker stopped after 1 jobs" in result.stderr
     assert (job(raw, table, job_id)["status"], ran) == ("done", [(job_id,)])
+
+
+def test_a_worker_process_hands_the_gil_over_every_millisecond(
+    jobq: Jobq, engine: Engine, raw: Raw, table: Table
+) -> None:
+    """`jobq worker` owns its process and shortens the switch interval, so a
+    handler thread woken while the event loop is busy starts within 1 ms, not
+    Python's default 5 ms (see `threads.SWITCH_INTERVAL`)."""
+    with engine.begin() as conn:
+        job_id = client.enqueue(conn, table, "switch_interval", {})
+    result = jobq("worker", "workerapp:registry", "--burst")
+    assert result.returncode == 0, result.stderr
+    assert job(raw, table, job_id)["result"] == SWITCH_INTERVAL == 0.001
 
 
 def test_worker_at_info_writes_one_prefixed_line_per_finished_job_and_warnings_at_once(

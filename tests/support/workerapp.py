@@ -13,6 +13,7 @@ import asyncio
 import json
 import os
 import signal
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -126,6 +127,12 @@ async def whoami_async(x: int) -> None:
 @registry.task(name="boom")
 def boom(message: str) -> None:
     raise ValueError(message)
+
+
+@registry.task(name="switch_interval")
+def switch_interval() -> float:
+    """What the process's GIL switch interval is while a handler runs."""
+    return sys.getswitchinterval()
 
 
 @registry.task(name="typed")
