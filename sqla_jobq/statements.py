@@ -104,6 +104,7 @@ __all__ = [
     "fates",
     "job_outcome",
     "mark_awaited",
+    "newest_first",
     "next_run_at",
     "prune",
     "reap",
@@ -618,7 +619,9 @@ def newest_first(
     id. One batch can hold two attempts of a job (its lease ran out and this
     worker claimed it again before the first attempt's outcome was sent);
     attempts only go up, so only the newest can still be the row's, and it
-    must be the one found.
+    must be the one found. The statements apply it to the pairs they are
+    given; whoever compiles one once and binds a batch's arrays later (as the
+    worker's driver does) must apply it to each batch.
     """
     if len({j[0] for j in jobs}) == len(jobs):
         return jobs, results
