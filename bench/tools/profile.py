@@ -8,6 +8,7 @@ its waiting), and charges each sample to the part of the worker it was in.
 
 from __future__ import annotations
 
+import argparse
 import collections
 import re
 import shutil
@@ -58,10 +59,17 @@ def part_of(frames: list[str]) -> str:
     return LOOP
 
 
+def _arguments(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.tools.profile", description=__doc__)
+    parser.add_argument("jobs", nargs="?", type=int, default=60_000)
+    parser.add_argument("concurrency", nargs="?", type=int, default=8)
+    parser.add_argument("task", nargs="?", default="noop", help="a task of bench.tasks")
+    return parser.parse_args(argv)
+
+
 def main(argv: list[str]) -> int:
-    jobs = int(argv[0]) if argv else 60_000
-    concurrency = int(argv[1]) if len(argv) > 1 else 8
-    task = argv[2] if len(argv) > 2 else "noop"
+    args = _arguments(argv)
+    jobs, concurrency, task = args.jobs, args.concurrency, args.task
     pyspy = shutil.which("py-spy")
     if pyspy is None:
         print("py-spy is not installed: pip install py-spy", file=sys.stderr)
