@@ -35,7 +35,7 @@ from .processes import (
     run_children,
     worker_command,
 )
-from .stats import dump_json, median, percentile, ratio
+from .stats import dump_json, median, per_round, percentile, ratio, rotated
 
 __all__ = [
     "CLK_TCK",
@@ -58,11 +58,13 @@ __all__ = [
     "median",
     "outcome",
     "own_backend_pid",
+    "per_round",
     "percentile",
     "proc_cpu",
     "proc_status",
     "ratio",
     "require_all_done",
+    "rotated",
     "run_children",
     "scratch_database",
     "worker_command",

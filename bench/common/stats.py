@@ -26,6 +26,18 @@ def ratio(a: float, b: float) -> float:
     return a / b if b else float("nan")
 
 
+def per_round(ours: Sequence[float], baseline: Sequence[float]) -> float:
+    """The median of the per-round ratios, ours over the baseline of the same round."""
+    return median([ratio(a, b) for a, b in zip(ours, baseline, strict=True)])
+
+
+def rotated(names: Sequence[str], round_index: int) -> list[str]:
+    """The contenders in the order round `round_index` runs them: each round
+    starts with the next one, so none always runs first (or last)."""
+    k = round_index % len(names)
+    return [*names[k:], *names[:k]]
+
+
 def dump_json(path: Path, data: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")

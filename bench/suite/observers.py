@@ -48,11 +48,10 @@ def run(bench: Bench, log: Callable[[str], None]) -> dict[str, Any]:
     common.run_children([common.worker_command(bench, concurrency=CONCURRENCY, burst=True)])
     rates: dict[str, list[float]] = {name: [] for name in CONTENDERS}
     cpu: dict[str, list[float]] = {name: [] for name in CONTENDERS}
-    names = list(CONTENDERS)
     for r in range(bench.rounds):
-        # Each round starts with the next contender, so none always runs on
-        # the table the others left behind (the shared server has no autovacuum).
-        for name in names[r % len(names) :] + names[: r % len(names)]:
+        # Rotated, so none always runs on the table the others left behind
+        # (the shared server has no autovacuum).
+        for name in common.rotated(list(CONTENDERS), r):
             extra = CONTENDERS[name]
             common.fill(bench, n)
             cmd = common.worker_command(bench, concurrency=CONCURRENCY, burst=True, extra=extra())
@@ -67,15 +66,12 @@ def run(bench: Bench, log: Callable[[str], None]) -> dict[str, Any]:
         "jobs_per_s": {name: common.median(v) for name, v in rates.items()},
         "cpu_us_per_job": {name: common.median(v) for name, v in cpu.items()},
         "rounds": {"jobs_per_s": rates, "cpu_us_per_job": cpu},
-        "ratios": _per_round(rates, bench.rounds),
-        "cpu_ratios": _per_round(cpu, bench.rounds),
+        "ratios": _per_round(rates),
+        "cpu_ratios": _per_round(cpu),
     }
 
 
-def _per_round(values: dict[str, list[float]], rounds: int) -> dict[str, float]:
+def _per_round(values: dict[str, list[float]]) -> dict[str, float]:
     """Each contender over the plain worker of the same round; the median."""
-    return {
-        name: common.median([common.ratio(v[i], values[BASELINE][i]) for i in range(rounds)])
-        for name, v in values.items()
-        if name != BASELINE
-    }
+    baseline = values[BASELINE]
+    return {name: common.per_round(v, baseline) for name, v in values.items() if name != BASELINE}

@@ -43,11 +43,10 @@ def run(bench: Bench, log: Callable[[str], None]) -> dict[str, Any]:
     _drain(bench)
     rates: dict[str, list[float]] = {name: [] for name in CONTENDERS}
     cpu: dict[str, list[float]] = {name: [] for name in CONTENDERS}
-    names = list(CONTENDERS)
     for r in range(bench.rounds):
-        # Rounds alternate which contender drains first: always first, the
-        # plain one measured 0.70x to 0.78x where alternating rounds gave 0.90x.
-        for name in names[r % 2 :] + names[: r % 2]:
+        # Rotated: always first, the plain one measured 0.70x to 0.78x where
+        # alternating rounds gave 0.90x.
+        for name in common.rotated(list(CONTENDERS), r):
             common.fill(bench, n, task=CONTENDERS[name])
             child = _drain(bench)
             o = common.outcome(bench)
@@ -62,12 +61,6 @@ def run(bench: Bench, log: Callable[[str], None]) -> dict[str, Any]:
         "cpu_us_per_job": {name: common.median(samples) for name, samples in cpu.items()},
         "rounds": rates,
         "cpu_rounds": cpu,
-        "ratio": _per_round(rates),
-        "cpu_ratio": _per_round(cpu),
+        "ratio": common.per_round(rates[WITH], rates[WITHOUT]),
+        "cpu_ratio": common.per_round(cpu[WITH], cpu[WITHOUT]),
     }
-
-
-def _per_round(values: dict[str, list[float]]) -> float:
-    """The contender with results over the one without, per round; the median."""
-    pairs = zip(values[WITH], values[WITHOUT], strict=True)
-    return common.median([common.ratio(w, wo) for w, wo in pairs])
