@@ -65,15 +65,19 @@ class Fates:
     cancelled: frozenset[Key]
 
 
-def _pairs(keys: Sequence[Key]) -> dict[str, str]:
-    """The keys as two array literals (`{1,2,3}`), cast by the statements:
-    psycopg dumps a list of ints element by element in Python, about 3.5 us a
-    job in a batch of 64, against 0.5 us for this join. In the order the
-    statements look pairs up in (`statements.newest_first`)."""
-    keys, _ = statements.newest_first(keys)
+def _pairs(keys: Sequence[Key], results: Sequence[str | None] | None = None) -> dict[str, str]:
+    """The keys as two array literals (`{1,2,3}`), cast by the statements,
+    and `results` as a third beside them: psycopg dumps a list of ints element
+    by element in Python, about 3.5 us a job in a batch of 64, against 0.5 us
+    for this join. In the order the statements look pairs up in
+    (`statements.newest_first`)."""
+    keys, results = statements.newest_first(keys, results)
     ids = ",".join([str(k[0]) for k in keys])
     attempts = ",".join([str(k[1]) for k in keys])
-    return {"ids": f"{{{ids}}}", "attempts": f"{{{attempts}}}"}
+    arrays = {"ids": f"{{{ids}}}", "attempts": f"{{{attempts}}}"}
+    if results is not None:
+        arrays["results"] = _text_array(results)
+    return arrays
 
 
 def _text_array(values: Sequence[str | None]) -> str:
@@ -198,11 +202,7 @@ class Driver:
         with it, by a second compiled form so result-less batches stay lean."""
         name = "complete" + ("" if results is None else "_results")
         name += "_skipping" if skip_locked else ""
-        keys, results = statements.newest_first(keys, results)
-        pairs: dict[str, Any] = _pairs(keys)
-        if results is not None:
-            pairs["results"] = _text_array(results)
-        return await self._matched(name, keys, **pairs)
+        return await self._matched(name, keys, **_pairs(keys, results))
 
     async def _matched(self, name: str, keys: Sequence[Key], **values: Any) -> set[Key]:
         """The keys a fenced batch statement matched. Each key matches at most
