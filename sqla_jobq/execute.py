@@ -83,7 +83,9 @@ class Runner:
         context.run(set_current_job, job)
         call = self._callable(task, job)
         if task.is_async:
-            work = functools.partial(self._observed_async, job, attempt.row, call)
+            work = functools.partial(_invoke, call)
+            if self.in_handler:
+                work = functools.partial(self._observed_async, job, attempt.row, call)
             return lambda: self._outcome(attempt, _on_loop(attempt, context, work()))
         if self.in_handler:
             call = functools.partial(self._observed, job, attempt.row, call)
