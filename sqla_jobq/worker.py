@@ -82,6 +82,9 @@ DEFAULT_PREFETCH = 128
 # A prefetched job still waiting this long is behind a slow one: it goes back
 # to the queue (its attempt refunded) for a worker with a free slot.
 STALL_SECONDS = 0.25
+# How long a worker shutting down retries handing back a job whose row
+# another session holds locked, before leaving it to the reaper.
+HAND_BACK_PATIENCE = 5.0
 HANDOFF_SECONDS = 0.0005
 # An empty claim while the next job is "due now" means its row is locked by
 # another session, or its queue is at its concurrency limit: back off from
@@ -187,6 +190,7 @@ class Worker:
         self.event = asyncio.Event()
         self.stopping = False
         self.stall_check: asyncio.TimerHandle | None = None
+        self.handing_back = 0  # hand-backs in progress (a burst waits for them)
         self.limited = False  # one of our queues has a concurrency limit: no prefetch
         self.last_reap = float("-inf")
         self.last_prune = float("-inf")
@@ -364,7 +368,7 @@ class Worker:
                 continue
             empty = 0 if rows else empty + 1
             if self.options.burst:
-                if not self.running and not rows and not self.ready:
+                if not (self.running or rows or self.ready or self.handing_back):
                     if not await self._burst_waits(empty):
                         return
                     continue
@@ -714,33 +718,36 @@ class Worker:
             self._log_job(attempt, "cancelled" if cancelled else "lost")
 
     async def _hand_back(self, attempts: list[Attempt], *, refund: bool, why: str) -> None:
-        """Return attempts to the queue in one statement, retried until each is
-        handed back, lost, or past its lease; one summary line."""
+        """Return attempts to the queue in one statement, retried until the
+        database says each is handed back or no longer ours; one summary line.
+
+        A row another session holds locked is skipped and tried again, however
+        long it takes: a local lease that runs out meanwhile proves nothing
+        (the lease keeper renews it once the lock goes), and an attempt dropped
+        here but still held would stay `running`, renewed, never run. Only a
+        worker shutting down gives up, after HAND_BACK_PATIENCE: it stops
+        renewing the rest and leaves them to the reaper.
+        """
         remaining = [a for a in attempts if a.state in (State.CLAIMED, State.STARTED)]
         back: list[Attempt] = []
         delay = RETRY_START
-        while remaining:
-            try:
-                done = await self.claimer.hand_back([a.key for a in remaining], refund=refund)
-                missed = [a for a in remaining if a.key not in done]
-                fates = await self.claimer.fates([a.key for a in missed])
-            except psycopg.Error as exc:
-                log.warning("could not hand back %d jobs (%s); retrying", len(remaining), exc)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, RETRY_MAX)
-                remaining = self._still_valid(remaining)
-                continue
-            for attempt in remaining:
-                if attempt.key in done:
-                    attempt.handed_back()
-                    self.attempts.pop(attempt.key, None)
-                    back.append(attempt)
-                elif attempt.key not in fates.busy and not attempt.state.settled:
-                    self._lost(attempt, attempt.key in fates.cancelled)
-            remaining = [a for a in missed if a.key in fates.busy and not a.state.settled]
-            if remaining:
-                await asyncio.sleep(delay)
-                remaining = self._still_valid(remaining)
+        give_up_at: float | None = None
+        self.handing_back += 1
+        try:
+            while remaining:
+                remaining = await self._hand_back_once(remaining, refund, back)
+                if self.stopping and give_up_at is None:
+                    give_up_at = time.monotonic() + HAND_BACK_PATIENCE
+                if remaining and give_up_at is not None and time.monotonic() >= give_up_at:
+                    self._leave_to_reaper(remaining)
+                    break
+                if remaining:
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, RETRY_MAX)
+                    remaining = [a for a in remaining if not a.state.settled]
+        finally:
+            self.handing_back -= 1
+            self.wake()  # a burst worker waits for what comes back to claim it
         if back:
             ids = ", ".join(str(a.key[0]) for a in back[:10])
             more = f" and {len(back) - 10} more" if len(back) > 10 else ""
@@ -749,9 +756,40 @@ class Worker:
                 "%d jobs %s, returned to the queue%s: %s%s", len(back), why, refunded, ids, more
             )
 
-    def _still_valid(self, attempts: list[Attempt]) -> list[Attempt]:
-        now = time.monotonic()
-        return [a for a in attempts if a.lease_valid(now) and not a.state.settled]
+    async def _hand_back_once(
+        self, attempts: list[Attempt], refund: bool, back: list[Attempt]
+    ) -> list[Attempt]:
+        """One try: the attempts handed back join `back`; those whose rows are
+        no longer ours are stopped; returns those still to try (row locked,
+        or the database out of reach)."""
+        try:
+            done = await self.claimer.hand_back([a.key for a in attempts], refund=refund)
+            missed = [a for a in attempts if a.key not in done]
+            fates = await self.claimer.fates([a.key for a in missed])
+        except psycopg.Error as exc:
+            log.warning("could not hand back %d jobs (%s); retrying", len(attempts), exc)
+            return attempts
+        for attempt in attempts:
+            if attempt.key in done:
+                attempt.handed_back()
+                self.attempts.pop(attempt.key, None)
+                back.append(attempt)
+            elif attempt.key not in fates.busy and not attempt.state.settled:
+                self._lost(attempt, attempt.key in fates.cancelled)
+        return [a for a in missed if a.key in fates.busy and not a.state.settled]
+
+    def _leave_to_reaper(self, attempts: list[Attempt]) -> None:
+        """Shutting down with rows still locked by another session: stop
+        holding them, so their leases run out and a reaper returns them."""
+        for attempt in attempts:
+            attempt.lose()
+            self.attempts.pop(attempt.key, None)
+        log.warning(
+            "%d jobs could not be handed back (their rows stayed locked by another "
+            "session); a reaper returns them when their leases run out: %s",
+            len(attempts),
+            ", ".join(str(a.key[0]) for a in attempts),
+        )
 
     # -- stopping ---------------------------------------------------------
 

@@ -21,6 +21,7 @@ import pytest
 from sqlalchemy import Engine, Table
 
 from sqla_jobq import Registry, client, current_job, execute, statements
+from sqla_jobq import worker as worker_module
 from sqla_jobq.attempt import Attempt
 from sqla_jobq.db import conninfo
 from tests.support.inprocess import Side, burst, running
@@ -362,7 +363,7 @@ def _hold_prefetched(
     warm = [enqueue(engine, table, "quick") for _ in range(20)]
     wait_until(lambda: all(row(raw, table, j)["status"] == "done" for j in warm), 20, "warm-up")
     with engine.begin() as conn:
-        slow = client.enqueue(conn, table, "slow", {"seconds": seconds}, priority=10)
+        slow = client.enqueue(conn, table, "slow", {"seconds": seconds})
         quick = [client.enqueue(conn, table, "quick", {}, max_attempts=2) for _ in range(10)]
     wait_until(lambda: side.events(slow), 10, "the slow job to start")
     return slow, quick
@@ -377,11 +378,11 @@ def test_prefetched_jobs_handed_back_at_shutdown_get_their_attempt_back(
         _slow, quick = _hold_prefetched(engine, table, raw, side, run, seconds=0.5)
         run.stop()
         assert run.join() == 0
-    for job_id in quick:
-        found = row(raw, table, job_id)
-        if found["status"] == "queued" and found["attempts"] == 1:
-            assert found["max_attempts"] == 3, found  # refunded: two tries remain
-            assert found["locked_until"] is None
+    handed = [row(raw, table, j) for j in quick if row(raw, table, j)["status"] == "queued"]
+    assert handed, "the quick jobs were prefetched behind the slow one, not run"
+    for found in handed:
+        assert found["max_attempts"] - found["attempts"] == 2, found  # refunded: two tries remain
+        assert found["locked_until"] is None
     assert statuses(raw, table).get("running", 0) == 0
 
 
@@ -432,3 +433,84 @@ def test_prefetched_jobs_behind_a_slow_one_go_to_an_idle_worker(
     for job_id in quick:
         found = row(raw, table, job_id)
         assert found["max_attempts"] - found["attempts"] >= 1, found  # handed back refunded
+
+
+def test_a_prefetched_job_locked_through_its_hand_back_and_past_its_lease_still_runs(
+    engine: Engine,
+    table: Table,
+    raw: Raw,
+    side: Side,
+    database_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by the hostile property test: a prefetched job stuck behind a slow
+    one, whose row another session held locked through the hand-back and past
+    the local lease, was dropped from the hand-back but kept (and its lease
+    renewed) by the worker: `running` for as long as the worker lived, never run."""
+    monkeypatch.setattr(worker_module, "STALL_SECONDS", 1.0)  # lock before it is handed back
+    lease = timedelta(seconds=0.6)
+    registry = Registry(table)
+
+    @registry.task(name="quick", lease=lease)
+    def quick() -> None:
+        side.record("ran")
+
+    @registry.task(name="slow", lease=lease)
+    def slow(seconds: float) -> None:
+        side.record("started")
+        time.sleep(seconds)
+
+    with running(registry, database_url, concurrency=1) as run:
+        slow_id, quick = _hold_prefetched(engine, table, raw, side, run, seconds=5.0)
+        with psycopg.connect(conninfo(database_url)) as locker:
+            held = locker.execute(
+                f'SELECT task, status FROM "{table.name}" WHERE id = ANY(%s) FOR UPDATE',
+                (quick,),
+            ).fetchall()
+            assert set(held) == {("quick", "running")}, "lock them while the worker holds them"
+            time.sleep(4 * lease.total_seconds())  # the hand-back waits; the lease runs out
+        wait_until(
+            lambda: all(row(raw, table, j)["status"] == "done" for j in [slow_id, *quick]),
+            20,
+            "every job done",
+        )
+    assert statuses(raw, table) == {"done": 31}
+
+
+def test_shutdown_leaves_rows_locked_throughout_to_the_reaper_and_still_exits(
+    engine: Engine,
+    table: Table,
+    raw: Raw,
+    side: Side,
+    database_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A hand-back at shutdown waits for another session's row lock only so
+    long; then the worker stops renewing those leases and exits, and a reaper
+    returns the jobs once the leases run out."""
+    monkeypatch.setattr(worker_module, "STALL_SECONDS", 60.0)  # handed back at shutdown only
+    monkeypatch.setattr(worker_module, "HAND_BACK_PATIENCE", 1.0)
+    lease = timedelta(seconds=0.6)
+    registry = Registry(table)
+
+    @registry.task(name="quick", lease=lease)
+    def quick() -> None:
+        side.record("ran")
+
+    @registry.task(name="slow", lease=lease)
+    def slow(seconds: float) -> None:
+        side.record("started")
+        time.sleep(seconds)
+
+    with running(registry, database_url, concurrency=1) as run:
+        slow_id, quick = _hold_prefetched(engine, table, raw, side, run, seconds=1.0)
+        with psycopg.connect(conninfo(database_url)) as locker:
+            locker.execute(f'SELECT 1 FROM "{table.name}" WHERE id = ANY(%s) FOR UPDATE', (quick,))
+            run.stop()
+            assert run.join(20) == 0
+            assert row(raw, table, slow_id)["status"] == "done"
+            assert {row(raw, table, j)["status"] for j in quick} == {"running"}
+    time.sleep(lease.total_seconds())  # no longer renewed: the leases run out
+    assert burst(registry, database_url, reap_interval=0.1) == 0
+    assert statuses(raw, table) == {"done": 31}
+    assert all(row(raw, table, j)["attempts"] == 2 for j in quick)  # the reaper counts one
