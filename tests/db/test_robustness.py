@@ -339,15 +339,16 @@ def _count_claims(run: Any) -> Callable[[], int]:
 # ---------------------------------------------------------- 9-11: shutdown and hand-back
 
 
-def warmed(table: Table, side: Side) -> Registry:
+def warmed(table: Table, side: Side, lease: timedelta | None = None) -> Registry:
     """A registry whose worker prefetches: short jobs first, then a slow one."""
     registry = Registry(table)
+    leased = {} if lease is None else {"lease": lease}
 
-    @registry.task(name="quick")
+    @registry.task(name="quick", **leased)
     def quick() -> None:
         side.record("ran")
 
-    @registry.task(name="slow")
+    @registry.task(name="slow", **leased)
     def slow(seconds: float) -> None:
         side.record("started")
         time.sleep(seconds)
@@ -449,17 +450,7 @@ def test_a_prefetched_job_locked_through_its_hand_back_and_past_its_lease_still_
     renewed) by the worker: `running` for as long as the worker lived, never run."""
     monkeypatch.setattr(worker_module, "STALL_SECONDS", 1.0)  # lock before it is handed back
     lease = timedelta(seconds=0.6)
-    registry = Registry(table)
-
-    @registry.task(name="quick", lease=lease)
-    def quick() -> None:
-        side.record("ran")
-
-    @registry.task(name="slow", lease=lease)
-    def slow(seconds: float) -> None:
-        side.record("started")
-        time.sleep(seconds)
-
+    registry = warmed(table, side, lease)
     with running(registry, database_url, concurrency=1) as run:
         slow_id, quick = _hold_prefetched(engine, table, raw, side, run, seconds=5.0)
         with psycopg.connect(conninfo(database_url)) as locker:
@@ -491,17 +482,7 @@ def test_shutdown_leaves_rows_locked_throughout_to_the_reaper_and_still_exits(
     monkeypatch.setattr(worker_module, "STALL_SECONDS", 60.0)  # handed back at shutdown only
     monkeypatch.setattr(worker_module, "HAND_BACK_PATIENCE", 1.0)
     lease = timedelta(seconds=0.6)
-    registry = Registry(table)
-
-    @registry.task(name="quick", lease=lease)
-    def quick() -> None:
-        side.record("ran")
-
-    @registry.task(name="slow", lease=lease)
-    def slow(seconds: float) -> None:
-        side.record("started")
-        time.sleep(seconds)
-
+    registry = warmed(table, side, lease)
     with running(registry, database_url, concurrency=1) as run:
         slow_id, quick = _hold_prefetched(engine, table, raw, side, run, seconds=1.0)
         with psycopg.connect(conninfo(database_url)) as locker:
