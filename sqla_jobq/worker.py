@@ -519,10 +519,18 @@ class Worker:
     # -- running ----------------------------------------------------------
 
     def _dispatch(self) -> None:
-        """Start waiting attempts while slots are free."""
+        """Start waiting attempts while slots are free. One whose lease ran
+        out while it waited (no heartbeat got through) may have been reaped
+        and claimed by another worker already: it is handed back, never
+        started, so the database decides whether it is still ours."""
+        now = time.monotonic()
+        lapsed: list[Attempt] = []
         while self.ready and len(self.running) < self.options.concurrency and not self.stopping:
             attempt = self.ready.popleft()
             if attempt.state is not State.CLAIMED:  # lost while it waited
+                continue
+            if not attempt.lease_valid(now):
+                lapsed.append(attempt)
                 continue
             attempt.start()
             self.running[attempt.key] = attempt
@@ -531,6 +539,8 @@ class Worker:
         if self.ready and self.stall_check is None and not self.stopping:
             loop = asyncio.get_running_loop()
             self.stall_check = loop.call_later(STALL_SECONDS, self._check_stall)
+        if lapsed:
+            self._hand_back_soon(lapsed, "whose leases ran out while they waited")
 
     def _start(self, attempt: Attempt) -> Started:
         try:
@@ -668,9 +678,11 @@ class Worker:
                 STALL_SECONDS, self._check_stall
             )
             return
-        waiting = self._take_ready()
-        why = "stuck behind busy slots"
-        task = asyncio.create_task(self._hand_back(waiting, refund=True, why=why))
+        self._hand_back_soon(self._take_ready(), "stuck behind busy slots")
+
+    def _hand_back_soon(self, attempts: list[Attempt], why: str) -> None:
+        """Hand back attempts that never started (refunded), in a task."""
+        task = asyncio.create_task(self._hand_back(attempts, refund=True, why=why))
         self.job_tasks.add(task)
         task.add_done_callback(self.job_tasks.discard)
 

@@ -357,14 +357,20 @@ def warmed(table: Table, side: Side, lease: timedelta | None = None) -> Registry
 
 
 def _hold_prefetched(
-    engine: Engine, table: Table, raw: Raw, side: Side, run: Any, seconds: float
+    engine: Engine,
+    table: Table,
+    raw: Raw,
+    side: Side,
+    run: Any,
+    seconds: float,
+    slow_task: str = "slow",
 ) -> tuple[int, list[int]]:
     """Warm the worker up on quick jobs, then give it a slow job first and ten
     quick ones in the same transaction: it claims them together."""
     warm = [enqueue(engine, table, "quick") for _ in range(20)]
     wait_until(lambda: all(row(raw, table, j)["status"] == "done" for j in warm), 20, "warm-up")
     with engine.begin() as conn:
-        slow = client.enqueue(conn, table, "slow", {"seconds": seconds})
+        slow = client.enqueue(conn, table, slow_task, {"seconds": seconds})
         quick = [client.enqueue(conn, table, "quick", {}, max_attempts=2) for _ in range(10)]
     wait_until(lambda: side.events(slow), 10, "the slow job to start")
     return slow, quick
@@ -495,3 +501,44 @@ def test_shutdown_leaves_rows_locked_throughout_to_the_reaper_and_still_exits(
     assert burst(registry, database_url, reap_interval=0.1) == 0
     assert statuses(raw, table) == {"done": 31}
     assert all(row(raw, table, j)["attempts"] == 2 for j in quick)  # the reaper counts one
+
+
+def test_a_prefetched_job_whose_lease_ran_out_while_it_waited_is_never_started(
+    engine: Engine,
+    table: Table,
+    raw: Raw,
+    side: Side,
+    database_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A prefetched job waits for a slot while another session holds its row
+    locked (no heartbeat gets through) past its lease, and another worker's
+    reaper and claim take it over the moment the lock goes. The slot frees in
+    that same moment: starting the job then would run it twice."""
+    monkeypatch.setattr(worker_module, "STALL_SECONDS", 60.0)
+    lease = timedelta(seconds=0.6)
+    registry = warmed(table, side, lease)
+    go = threading.Event()
+
+    @registry.task(name="gate", lease=lease)
+    def gate(seconds: float) -> None:
+        side.record("started")
+        go.wait(seconds)
+
+    with running(registry, database_url, concurrency=1) as run:
+        gate_id, quick = _hold_prefetched(engine, table, raw, side, run, 20.0, slow_task="gate")
+        with psycopg.connect(conninfo(database_url)) as other:
+            other.execute(f'SELECT 1 FROM "{table.name}" WHERE id = ANY(%s) FOR UPDATE', (quick,))
+            time.sleep(2 * lease.total_seconds())
+            other.execute(  # reaped and claimed again, as by another worker
+                f'UPDATE "{table.name}" SET attempts = attempts + 1, '
+                "locked_until = now() + interval '1 hour' WHERE id = ANY(%s)",
+                (quick,),
+            )
+        go.set()
+        wait_until(lambda: row(raw, table, gate_id)["status"] == "done", 10, "the gate job")
+        time.sleep(1.0)  # time to start what it would start
+    assert [e for e in side.events() if e["job_id"] in quick] == []
+    assert {(row(raw, table, j)["status"], row(raw, table, j)["attempts"]) for j in quick} == {
+        ("running", 2)
+    }
