@@ -1,8 +1,12 @@
-"""The lease keeper: heartbeats on a connection of their own (internal).
+"""The lease keeper: heartbeats on a connection, a thread and an event loop
+of their own (internal).
 
 A lease is what keeps a job ours while its handler runs, so extending it must
-never wait behind anything: not behind a batch of completions (they have
-their own connection), not behind a row another session holds locked (the
+never wait behind anything: not behind the worker's event loop (an `async
+def` handler calling blocking code stops that loop; were the heartbeats on
+it, every job the worker holds would be reaped and run again elsewhere), not
+behind a batch of completions (they have their own connection), not behind a
+row another session holds locked (the
 extension skips that row and tries it again next tick, while its lease still
 has two thirds to run). An extension that matches a row no longer ours means
 the job was taken away: the attempt is reported lost, and the worker stops it.
@@ -13,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Iterable
@@ -29,6 +34,11 @@ _RUNNABLE = (State.CLAIMED, State.STARTED)
 
 
 class LeaseKeeper:
+    """Extends the leases of the attempts `attempts()` lists, from `start()`
+    to `stop()` on its own thread. `attempts` is called on that thread (it
+    must return a snapshot), and so are `lost` and `sent`: they hand anything
+    that touches the worker's state over to the worker's loop."""
+
     def __init__(
         self,
         driver: Driver,
@@ -44,10 +54,47 @@ class LeaseKeeper:
         # Called after each extension that reached the database (the worker
         # refreshes its registry row on that round trip's connection).
         self.sent: Callable[[], Awaitable[None]] | None = None
+        # Called on this thread at each tick (the worker watches its own loop).
+        self.each_tick: Callable[[], None] | None = None
+        self._thread = threading.Thread(target=self._main, name="jobq-leases", daemon=True)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._started = threading.Event()
+
+    def start(self) -> None:
+        self._thread.start()
+        self._started.wait()
+
+    async def stop(self) -> None:
+        """Stop extending, close the connection, and wait for the thread."""
+        if self._loop is not None and self._task is not None:
+            self._loop.call_soon_threadsafe(self._task.cancel)
+        await asyncio.to_thread(self._thread.join)
 
     def check_now(self) -> None:
-        """Look at every lease now (a cancel was announced), not at the next tick."""
-        self.poke.set()
+        """Look at every lease now (a cancel was announced), not at the next
+        tick. Safe to call from any thread."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self.poke.set)
+
+    def _main(self) -> None:
+        self._loop = asyncio.new_event_loop()
+        try:
+            self._loop.run_until_complete(self._serve())
+        finally:
+            self._loop.close()
+
+    async def _serve(self) -> None:
+        self._task = asyncio.current_task()
+        self._started.set()
+        try:
+            await self.run()
+        except asyncio.CancelledError:
+            pass
+        except Exception:
+            log.exception("the lease keeper stopped; leases will run out and be reaped")
+        finally:
+            await self.driver.close()
 
     async def run(self) -> None:
         while True:
@@ -56,6 +103,8 @@ class LeaseKeeper:
                     await self.poke.wait()
             everyone = self.poke.is_set()
             self.poke.clear()
+            if self.each_tick is not None:
+                self.each_tick()
             await self.beat(everyone=everyone)
 
     async def beat(self, *, everyone: bool = False) -> None:

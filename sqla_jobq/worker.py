@@ -47,6 +47,7 @@ from .execute import OnThread, Runner, Started, outcome_now, timed_out
 from .finisher import Finisher
 from .joblog import JobLog
 from .leases import LeaseKeeper
+from .loop_watch import LoopWatch
 from .migrations.check import check_schema
 from .notify import Listener
 from .observe import Observer
@@ -160,7 +161,7 @@ class Worker:
         self.leases = LeaseKeeper(
             self._driver(),
             self._unsettled,
-            self._lost,
+            self._lost_elsewhere,
             tick=max(0.05, min(5.0, self.claim_lease.total_seconds() / 6)),
         )
         self.threads = HandlerThreads(options.concurrency)
@@ -191,6 +192,7 @@ class Worker:
         self.stopping = False
         self.stall_check: asyncio.TimerHandle | None = None
         self.handing_back = 0  # hand-backs in progress (a burst waits for them)
+        self.loop: asyncio.AbstractEventLoop | None = None  # set by run()
         self.limited = False  # one of our queues has a concurrency limit: no prefetch
         self.last_reap = float("-inf")
         self.last_prune = float("-inf")
@@ -222,10 +224,10 @@ class Worker:
         signals = (signal.SIGTERM, signal.SIGINT) if handle_signals else ()
         for sig in signals:
             loop.add_signal_handler(sig, self._on_signal)
-        helpers = [
-            asyncio.create_task(self.finisher.run(), name="finisher"),
-            asyncio.create_task(self.leases.run(), name="leases"),
-        ]
+        self.loop = loop
+        self.leases.each_tick = LoopWatch(loop, self._async_running).check
+        self.leases.start()
+        helpers = [asyncio.create_task(self.finisher.run(), name="finisher")]
         if not self.options.burst:
             self.listener = Listener(
                 self.options.listen_url or self.options.database_url,
@@ -694,6 +696,8 @@ class Worker:
     # -- settling ---------------------------------------------------------
 
     def _unsettled(self) -> Iterable[Attempt]:
+        # One C-level copy, atomic under the GIL: the lease keeper's thread
+        # reads it while this loop changes the dict.
         return list(self.attempts.values())
 
     def _settled(self, attempt: Attempt, outcome: str, kind: str) -> None:
@@ -710,6 +714,20 @@ class Worker:
         for observer in self.observers:
             queue = attempt.row["queue"]
             _quietly(observer.settled, queue, attempt.task_name, kind or outcome, took)
+
+    def _async_running(self) -> list[str]:
+        return [a.describe() for a in list(self.running.values()) if a.handler is not None]
+
+    def _lost_elsewhere(self, attempt: Attempt, cancelled: bool) -> None:
+        """The lease keeper's thread found an attempt lost: stop it on the
+        worker's loop, unless it settled or finished meanwhile."""
+
+        def lost() -> None:
+            if attempt.state in (State.CLAIMED, State.STARTED):
+                self._lost(attempt, cancelled)
+
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(lost)
 
     def _lost(self, attempt: Attempt, cancelled: bool = False) -> None:
         """The attempt's row is not ours any more: stop it, touch nothing. A
@@ -836,6 +854,7 @@ class Worker:
             await asyncio.wait(pending, timeout=deadline - time.monotonic())
 
     async def _teardown(self, helpers: list[asyncio.Task[None]]) -> None:
+        await self.leases.stop()
         await self.vacuumer.stop()
         jobs = self._jobs()
         for task in [*helpers, *jobs]:
@@ -844,7 +863,7 @@ class Worker:
         await self._presence(self.claimer, self.presence.leave)
         if self.listener is not None:
             await self.listener.stop()
-        for driver in (self.claimer, self.sweeper, self.finisher.driver, self.leases.driver):
+        for driver in (self.claimer, self.sweeper, self.finisher.driver):
             await driver.close()
         if self.transactions is not None:
             await self.transactions.dispose()

@@ -542,3 +542,45 @@ def test_a_prefetched_job_whose_lease_ran_out_while_it_waited_is_never_started(
     assert {(row(raw, table, j)["status"], row(raw, table, j)["attempts"]) for j in quick} == {
         ("running", 2)
     }
+
+
+def test_an_async_handler_blocking_the_loop_costs_no_job_its_lease(
+    engine: Engine,
+    table: Table,
+    raw: Raw,
+    side: Side,
+    database_url: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An `async def` handler calling blocking code (time.sleep, a sync
+    driver) stops the worker's event loop. Heartbeats used to stop with it:
+    after a lease, another worker's reaper took every job the worker held and
+    ran it again, the blocker included. Leases are kept on a thread of their
+    own, so a job runs once however long the loop is stuck."""
+    lease = timedelta(seconds=1)
+    registry = Registry(table)
+
+    @registry.task(name="blocks", lease=lease)
+    async def blocks() -> None:
+        side.record("ran")
+        time.sleep(3 * lease.total_seconds())
+
+    @registry.task(name="works", lease=lease)
+    def works() -> None:
+        side.record("ran")
+        time.sleep(3 * lease.total_seconds())
+
+    worker = enqueue(engine, table, "works")
+    with running(registry, database_url, concurrency=2, reap_interval=0.1):
+        wait_until(lambda: side.events(worker), 10, "the plain job to start")
+        blocker = enqueue(engine, table, "blocks")
+        wait_until(lambda: side.events(blocker), 10, "the blocking job to start")
+        with running(registry, database_url, concurrency=2, reap_interval=0.1):
+            wait_until(
+                lambda: {row(raw, table, j)["status"] for j in (worker, blocker)} == {"done"},
+                20,
+                "both jobs done",
+            )
+    assert [(e["job_id"], e["attempt"]) for e in side.events()] == [(worker, 1), (blocker, 1)]
+    stuck = [r.getMessage() for r in caplog.records if "has not run for" in r.getMessage()]
+    assert len(stuck) == 1 and f"job {blocker} task=blocks" in stuck[0], stuck

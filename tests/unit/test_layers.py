@@ -36,6 +36,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "claim_cursor",
             "vacuuming",
             "leases",
+            "loop_watch",
             "threads",
             "transactions",
             "scheduler",
