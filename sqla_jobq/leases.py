@@ -67,6 +67,8 @@ class LeaseKeeper:
 
     async def stop(self) -> None:
         """Stop extending, close the connection, and wait for the thread."""
+        if not self._started.is_set():
+            return
         if self._loop is not None and self._task is not None:
             self._loop.call_soon_threadsafe(self._task.cancel)
         await asyncio.to_thread(self._thread.join)
