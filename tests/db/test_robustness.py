@@ -376,6 +376,18 @@ def _hold_prefetched(
     return slow, quick
 
 
+def _lock_prefetched(conn: Raw, table: Table, quick: list[int]) -> list[int]:
+    """Lock, on `conn`, the quick jobs the worker claimed with the slow one
+    (how many depends on its measure of handler time); while the slow one
+    runs it claims nothing more, so this set holds still."""
+    held = conn.execute(
+        f'SELECT id FROM "{table.name}" WHERE id = ANY(%s) AND status = %s FOR UPDATE',
+        (quick, "running"),
+    ).fetchall()
+    assert held, "no quick job was prefetched behind the slow one"
+    return [r[0] for r in held]
+
+
 def test_prefetched_jobs_handed_back_at_shutdown_get_their_attempt_back(
     engine: Engine, table: Table, raw: Raw, side: Side, database_url: str
 ) -> None:
@@ -460,11 +472,7 @@ def test_a_prefetched_job_locked_through_its_hand_back_and_past_its_lease_still_
     with running(registry, database_url, concurrency=1) as run:
         slow_id, quick = _hold_prefetched(engine, table, raw, side, run, seconds=5.0)
         with psycopg.connect(conninfo(database_url)) as locker:
-            held = locker.execute(
-                f'SELECT task, status FROM "{table.name}" WHERE id = ANY(%s) FOR UPDATE',
-                (quick,),
-            ).fetchall()
-            assert set(held) == {("quick", "running")}, "lock them while the worker holds them"
+            _lock_prefetched(locker, table, quick)
             time.sleep(4 * lease.total_seconds())  # the hand-back waits; the lease runs out
         wait_until(
             lambda: all(row(raw, table, j)["status"] == "done" for j in [slow_id, *quick]),
@@ -492,15 +500,15 @@ def test_shutdown_leaves_rows_locked_throughout_to_the_reaper_and_still_exits(
     with running(registry, database_url, concurrency=1) as run:
         slow_id, quick = _hold_prefetched(engine, table, raw, side, run, seconds=1.0)
         with psycopg.connect(conninfo(database_url)) as locker:
-            locker.execute(f'SELECT 1 FROM "{table.name}" WHERE id = ANY(%s) FOR UPDATE', (quick,))
+            held = _lock_prefetched(locker, table, quick)
             run.stop()
             assert run.join(20) == 0
             assert row(raw, table, slow_id)["status"] == "done"
-            assert {row(raw, table, j)["status"] for j in quick} == {"running"}
+            assert {row(raw, table, j)["status"] for j in held} == {"running"}
     time.sleep(lease.total_seconds())  # no longer renewed: the leases run out
     assert burst(registry, database_url, reap_interval=0.1) == 0
     assert statuses(raw, table) == {"done": 31}
-    assert all(row(raw, table, j)["attempts"] == 2 for j in quick)  # the reaper counts one
+    assert all(row(raw, table, j)["attempts"] == 2 for j in held)  # the reaper counts one
 
 
 def test_a_prefetched_job_whose_lease_ran_out_while_it_waited_is_never_started(
@@ -528,18 +536,18 @@ def test_a_prefetched_job_whose_lease_ran_out_while_it_waited_is_never_started(
     with running(registry, database_url, concurrency=1) as run:
         gate_id, quick = _hold_prefetched(engine, table, raw, side, run, 20.0, slow_task="gate")
         with psycopg.connect(conninfo(database_url)) as other:
-            other.execute(f'SELECT 1 FROM "{table.name}" WHERE id = ANY(%s) FOR UPDATE', (quick,))
+            held = _lock_prefetched(other, table, quick)
             time.sleep(2 * lease.total_seconds())
             other.execute(  # reaped and claimed again, as by another worker
                 f'UPDATE "{table.name}" SET attempts = attempts + 1, '
                 "locked_until = now() + interval '1 hour' WHERE id = ANY(%s)",
-                (quick,),
+                (held,),
             )
         go.set()
         wait_until(lambda: row(raw, table, gate_id)["status"] == "done", 10, "the gate job")
         time.sleep(1.0)  # time to start what it would start
-    assert [e for e in side.events() if e["job_id"] in quick] == []
-    assert {(row(raw, table, j)["status"], row(raw, table, j)["attempts"]) for j in quick} == {
+    assert [e for e in side.events() if e["job_id"] in held] == []
+    assert {(row(raw, table, j)["status"], row(raw, table, j)["attempts"]) for j in held} == {
         ("running", 2)
     }
 
