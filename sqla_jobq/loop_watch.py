@@ -25,30 +25,29 @@ class LoopWatch:
     def __init__(self, loop: asyncio.AbstractEventLoop, suspects: Callable[[], list[str]]) -> None:
         self.loop = loop
         self.suspects = suspects  # the async jobs running (called off the loop)
-        self.seen = time.monotonic()  # when the loop last ran a `_turned`
-        self.asked = False  # a `_turned` is scheduled and has not run yet
-        self.stuck_since: float | None = None
+        # When the loop was asked to check in and has not yet: the loop has
+        # not turned since then.
+        self.asked_at: float | None = None
+        self.warned = False
 
     def check(self) -> None:
         """From another thread: warn once per stall, and ask the loop to check in."""
         now = time.monotonic()
-        if self.stuck_since is None and now - self.seen >= STUCK_SECONDS:
-            self.stuck_since = self.seen
+        if self.asked_at is None:
+            self.asked_at = now
+            self.loop.call_soon_threadsafe(self._turned)
+        elif not self.warned and now - self.asked_at >= STUCK_SECONDS:
+            self.warned = True
             jobs = ", ".join(self.suspects()) or "none"
             log.warning(
                 "the event loop has not run for %.1fs: an async handler is blocking it "
                 "(running async jobs: %s); leases are kept, nothing else moves",
-                now - self.seen,
+                now - self.asked_at,
                 jobs,
             )
-        if not self.asked:
-            self.asked = True
-            self.loop.call_soon_threadsafe(self._turned)
 
     def _turned(self) -> None:
-        now = time.monotonic()
-        if self.stuck_since is not None:
-            log.warning("the event loop runs again after %.1fs", now - self.stuck_since)
-            self.stuck_since = None
-        self.seen = now
-        self.asked = False
+        if self.warned and self.asked_at is not None:
+            log.warning("the event loop runs again after %.1fs", time.monotonic() - self.asked_at)
+        self.warned = False
+        self.asked_at = None
