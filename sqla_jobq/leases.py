@@ -35,9 +35,9 @@ _RUNNABLE = (State.CLAIMED, State.STARTED)
 
 class LeaseKeeper:
     """Extends the leases of the attempts `attempts()` lists, from `start()`
-    to `stop()` on its own thread. `attempts` is called on that thread (it
-    must return a snapshot), and so are `lost` and `sent`: they hand anything
-    that touches the worker's state over to the worker's loop."""
+    to `stop()` on its own thread. `attempts` (which must return a snapshot),
+    `sent` and `each_tick` are called on that thread; `lost` on the loop that
+    called `start()`, the worker's, whose state it changes."""
 
     def __init__(
         self,
@@ -56,35 +56,41 @@ class LeaseKeeper:
         self.sent: Callable[[], Awaitable[None]] | None = None
         # Called on this thread at each tick (the worker watches its own loop).
         self.each_tick: Callable[[], None] | None = None
-        self._thread = threading.Thread(target=self._main, name="jobq-leases", daemon=True)
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._thread = threading.Thread(
+            target=lambda: asyncio.run(self._serve()), name="jobq-leases", daemon=True
+        )
+        self._home: asyncio.AbstractEventLoop | None = None  # where `lost` runs
+        self._task: asyncio.Task[None] | None = None  # on the keeper's own loop
         self._started = threading.Event()
 
     def start(self) -> None:
+        """From the worker's loop: run on a thread of its own until `stop()`."""
+        self._home = asyncio.get_running_loop()
         self._thread.start()
         self._started.wait()
 
     async def stop(self) -> None:
         """Stop extending, close the connection, and wait for the thread."""
-        if not self._started.is_set():
+        if self._task is None:
             return
-        if self._loop is not None and self._task is not None:
-            self._loop.call_soon_threadsafe(self._task.cancel)
+        self._on_own_loop(self._task.cancel)
         await asyncio.to_thread(self._thread.join)
 
     def check_now(self) -> None:
         """Look at every lease now (a cancel was announced), not at the next
         tick. Safe to call from any thread."""
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self.poke.set)
+        self._on_own_loop(self.poke.set)
 
-    def _main(self) -> None:
-        self._loop = asyncio.new_event_loop()
-        try:
-            self._loop.run_until_complete(self._serve())
-        finally:
-            self._loop.close()
+    def _on_own_loop(self, call: Callable[[], object]) -> None:
+        if self._task is None:
+            return
+        with contextlib.suppress(RuntimeError):  # its loop is closed: the keeper stopped
+            self._task.get_loop().call_soon_threadsafe(call)
+
+    def _report_lost(self, attempt: Attempt, cancelled: bool) -> None:
+        """On the worker's loop: unless it finished or settled meanwhile."""
+        if attempt.state in _RUNNABLE:
+            self.lost(attempt, cancelled)
 
     async def _serve(self) -> None:
         self._task = asyncio.current_task()
@@ -138,4 +144,7 @@ class LeaseKeeper:
             # may simply have landed first).
             if attempt.key in fates.busy or attempt.state not in _RUNNABLE:
                 continue
-            self.lost(attempt, attempt.key in fates.cancelled)
+            assert self._home is not None  # set by start()
+            self._home.call_soon_threadsafe(
+                self._report_lost, attempt, attempt.key in fates.cancelled
+            )

@@ -161,7 +161,7 @@ class Worker:
         self.leases = LeaseKeeper(
             self._driver(),
             self._unsettled,
-            self._lost_elsewhere,
+            self._lost,
             tick=max(0.05, min(5.0, self.claim_lease.total_seconds() / 6)),
         )
         self.threads = HandlerThreads(options.concurrency)
@@ -192,7 +192,6 @@ class Worker:
         self.stopping = False
         self.stall_check: asyncio.TimerHandle | None = None
         self.handing_back = 0  # hand-backs in progress (a burst waits for them)
-        self.loop: asyncio.AbstractEventLoop | None = None  # set by run()
         self.limited = False  # one of our queues has a concurrency limit: no prefetch
         self.last_reap = float("-inf")
         self.last_prune = float("-inf")
@@ -224,7 +223,6 @@ class Worker:
         signals = (signal.SIGTERM, signal.SIGINT) if handle_signals else ()
         for sig in signals:
             loop.add_signal_handler(sig, self._on_signal)
-        self.loop = loop
         self.leases.each_tick = LoopWatch(loop, self._async_running).check
         self.leases.start()
         helpers = [asyncio.create_task(self.finisher.run(), name="finisher")]
@@ -717,17 +715,6 @@ class Worker:
 
     def _async_running(self) -> list[str]:
         return [a.describe() for a in list(self.running.values()) if a.handler is not None]
-
-    def _lost_elsewhere(self, attempt: Attempt, cancelled: bool) -> None:
-        """The lease keeper's thread found an attempt lost: stop it on the
-        worker's loop, unless it settled or finished meanwhile."""
-
-        def lost() -> None:
-            if attempt.state in (State.CLAIMED, State.STARTED):
-                self._lost(attempt, cancelled)
-
-        if self.loop is not None:
-            self.loop.call_soon_threadsafe(lost)
 
     def _lost(self, attempt: Attempt, cancelled: bool = False) -> None:
         """The attempt's row is not ours any more: stop it, touch nothing. A
