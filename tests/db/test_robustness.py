@@ -10,9 +10,10 @@ database.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -376,16 +377,19 @@ def _hold_prefetched(
     return slow, quick
 
 
-def _lock_prefetched(conn: Raw, table: Table, quick: list[int]) -> list[int]:
-    """Lock, on `conn`, the quick jobs the worker claimed with the slow one
-    (how many depends on its measure of handler time); while the slow one
-    runs it claims nothing more, so this set holds still."""
-    held = conn.execute(
-        f'SELECT id FROM "{table.name}" WHERE id = ANY(%s) AND status = %s FOR UPDATE',
-        (quick, "running"),
-    ).fetchall()
-    assert held, "no quick job was prefetched behind the slow one"
-    return [r[0] for r in held]
+@contextlib.contextmanager
+def _lock_prefetched(url: str, table: Table, quick: list[int]) -> Iterator[tuple[Raw, list[int]]]:
+    """Another session holding, until the block ends, the locks of the quick
+    jobs the worker claimed with the slow one (how many depends on its
+    measure of handler time; while the slow one runs it claims nothing more,
+    so this set holds still): that session, and the ids."""
+    with psycopg.connect(conninfo(url)) as conn:
+        held = conn.execute(
+            f'SELECT id FROM "{table.name}" WHERE id = ANY(%s) AND status = %s FOR UPDATE',
+            (quick, "running"),
+        ).fetchall()
+        assert held, "no quick job was prefetched behind the slow one"
+        yield conn, [r[0] for r in held]
 
 
 def test_prefetched_jobs_handed_back_at_shutdown_get_their_attempt_back(
@@ -397,7 +401,7 @@ def test_prefetched_jobs_handed_back_at_shutdown_get_their_attempt_back(
         _slow, quick = _hold_prefetched(engine, table, raw, side, run, seconds=0.5)
         run.stop()
         assert run.join() == 0
-    handed = [row(raw, table, j) for j in quick if row(raw, table, j)["status"] == "queued"]
+    handed = [f for f in (row(raw, table, j) for j in quick) if f["status"] == "queued"]
     assert handed, "the quick jobs were prefetched behind the slow one, not run"
     for found in handed:
         assert found["max_attempts"] - found["attempts"] == 2, found  # refunded: two tries remain
@@ -471,8 +475,7 @@ def test_a_prefetched_job_locked_through_its_hand_back_and_past_its_lease_still_
     registry = warmed(table, side, lease)
     with running(registry, database_url, concurrency=1) as run:
         slow_id, quick = _hold_prefetched(engine, table, raw, side, run, seconds=5.0)
-        with psycopg.connect(conninfo(database_url)) as locker:
-            _lock_prefetched(locker, table, quick)
+        with _lock_prefetched(database_url, table, quick):
             time.sleep(4 * lease.total_seconds())  # the hand-back waits; the lease runs out
         wait_until(
             lambda: all(row(raw, table, j)["status"] == "done" for j in [slow_id, *quick]),
@@ -499,8 +502,7 @@ def test_shutdown_leaves_rows_locked_throughout_to_the_reaper_and_still_exits(
     registry = warmed(table, side, lease)
     with running(registry, database_url, concurrency=1) as run:
         slow_id, quick = _hold_prefetched(engine, table, raw, side, run, seconds=1.0)
-        with psycopg.connect(conninfo(database_url)) as locker:
-            held = _lock_prefetched(locker, table, quick)
+        with _lock_prefetched(database_url, table, quick) as (_, held):
             run.stop()
             assert run.join(20) == 0
             assert row(raw, table, slow_id)["status"] == "done"
@@ -535,8 +537,7 @@ def test_a_prefetched_job_whose_lease_ran_out_while_it_waited_is_never_started(
 
     with running(registry, database_url, concurrency=1) as run:
         gate_id, quick = _hold_prefetched(engine, table, raw, side, run, 20.0, slow_task="gate")
-        with psycopg.connect(conninfo(database_url)) as other:
-            held = _lock_prefetched(other, table, quick)
+        with _lock_prefetched(database_url, table, quick) as (other, held):
             time.sleep(2 * lease.total_seconds())
             other.execute(  # reaped and claimed again, as by another worker
                 f'UPDATE "{table.name}" SET attempts = attempts + 1, '
@@ -547,7 +548,7 @@ def test_a_prefetched_job_whose_lease_ran_out_while_it_waited_is_never_started(
         wait_until(lambda: row(raw, table, gate_id)["status"] == "done", 10, "the gate job")
         time.sleep(1.0)  # time to start what it would start
     assert [e for e in side.events() if e["job_id"] in held] == []
-    assert {(row(raw, table, j)["status"], row(raw, table, j)["attempts"]) for j in held} == {
+    assert {(f["status"], f["attempts"]) for f in (row(raw, table, j) for j in held)} == {
         ("running", 2)
     }
 
