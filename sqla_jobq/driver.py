@@ -36,7 +36,7 @@ Key = tuple[int, int]
 Row = dict[str, Any]
 
 
-def _raw_json(data: str | bytes) -> str:
+def raw_json(data: str | bytes) -> str:
     """Keep jsonb as text: payloads are decoded per job, inside that job's
     error boundary, so one payload Python cannot decode fails alone."""
     return data.decode() if isinstance(data, bytes) else data
@@ -148,7 +148,7 @@ class Driver:
             conn = await psycopg.AsyncConnection.connect(
                 self.url, row_factory=dict_row, **connect_kwargs(self.prepared)
             )
-            set_json_loads(_raw_json, conn)
+            set_json_loads(raw_json, conn)
             self._conn = conn
         return self._conn
 
@@ -178,7 +178,7 @@ class Driver:
         await close_quietly(conn, log)
 
     async def claim(self, limit: int, after: statements.Position | None = None) -> list[Row]:
-        """Claimed rows, payload still as JSON text (see `_raw_json`); past
+        """Claimed rows, payload still as JSON text (see `raw_json`); past
         `after` in claim order if given (see `claim_cursor`)."""
         if after is None:
             return await self._rows("claim", limit=limit)
@@ -229,9 +229,7 @@ class Driver:
 
     async def fail(self, key: Key, error: str) -> tuple[str, float] | None:
         """The job's new status and seconds until its retry, or None if not done."""
-        rows = await self._rows(
-            "fail", id=key[0], attempts=key[1], error=error_text(error)
-        )
+        rows = await self._rows("fail", id=key[0], attempts=key[1], error=error_text(error))
         if not rows:
             return None
         return str(rows[0]["status"]), max(rows[0]["retry_in"].total_seconds(), 0.0)

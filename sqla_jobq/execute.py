@@ -91,6 +91,30 @@ class Runner:
             call = functools.partial(self._observed, job, attempt.row, call)
         return OnThread(self.threads.run(functools.partial(context.run, call)), context)
 
+    def start_plain(
+        self, attempt: Attempt, base: contextvars.Context, loop: asyncio.AbstractEventLoop
+    ) -> tuple[OnThread, Callable[[], None]] | None:
+        """From any thread (the listener's: see `sqla_jobq.pickup`): a plain
+        handler made ready to run in a copy of `base`, the worker's context,
+        with the attempt marked started: its `OnThread` for the loop, and the
+        call that runs it on the calling thread. None, and nothing started,
+        for an async handler or a job refused (the loop starts those)."""
+        try:
+            task, job = prepare(self.registry, attempt)
+        except Refused:
+            return None
+        if task.is_async:
+            return None
+        context = base.copy()
+        context.run(set_current_job, job)
+        call = self._callable(task, job)
+        if self.in_handler:
+            call = functools.partial(self._observed, job, attempt.row, call)
+        future: asyncio.Future[Captured] = asyncio.Future(loop=loop)
+        attempt.start()
+        run = functools.partial(context.run, call)
+        return OnThread(future, context), functools.partial(self.threads.run_here, future, run)
+
     def after_thread(
         self, attempt: Attempt, on_thread: OnThread
     ) -> Outcome | Callable[[], Awaitable[Outcome]]:
@@ -128,9 +152,7 @@ class Runner:
         with self._contexts(job, row):
             return call()
 
-    async def _observed_async(
-        self, job: Job, row: dict[str, Any], call: Callable[[], Any]
-    ) -> Any:
+    async def _observed_async(self, job: Job, row: dict[str, Any], call: Callable[[], Any]) -> Any:
         with self._contexts(job, row):
             return await _invoke(call)
 

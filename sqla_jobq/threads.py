@@ -78,6 +78,17 @@ class HandlerThreads:
             self.loop.call_soon(self._kicked)
         return future
 
+    def run_here(self, future: asyncio.Future[Captured], call: Callable[[], object]) -> None:
+        """Run `call` on the calling thread, not one of ours (the listener's:
+        see `sqla_jobq.pickup`), its outcome delivered to `future` on the
+        loop with our own threads' outcomes."""
+        if self.loop is None:
+            self.loop = future.get_loop()
+        self.progress = time.monotonic()
+        outcome = capture(call)
+        self.progress = time.monotonic()
+        self._done(future, outcome, ours=False)
+
     def _kicked(self) -> None:
         self.kicked = False
         if self.pending:  # in case that thread had already gone back to sleep
@@ -129,15 +140,24 @@ class HandlerThreads:
                 self.progress = time.monotonic()
                 outcome = capture(call)
                 self.progress = time.monotonic()
-                with self.lock:
-                    self.busy -= 1
-                    self.done.append((future, outcome))
-                    first = len(self.done) == 1
-                if first:
-                    try:
-                        self.loop.call_soon_threadsafe(self._deliver)
-                    except RuntimeError:  # the loop is closed: nobody is waiting any more
-                        return
+                if not self._done(future, outcome, ours=True):
+                    return
+
+    def _done(self, future: asyncio.Future[Captured], outcome: Captured, ours: bool) -> bool:
+        """Queue an outcome for the loop (the first of a batch wakes it), and
+        count one of our threads out of its handler; False if the loop is
+        closed: nobody is waiting any more."""
+        assert self.loop is not None
+        with self.lock:
+            self.busy -= ours
+            self.done.append((future, outcome))
+            first = len(self.done) == 1
+        if first:
+            try:
+                self.loop.call_soon_threadsafe(self._deliver)
+            except RuntimeError:
+                return False
+        return True
 
     def _deliver(self) -> None:
         with self.lock:

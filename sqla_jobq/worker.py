@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import functools
 import logging
 import os
@@ -51,6 +52,7 @@ from .loop_watch import LoopWatch
 from .migrations.check import check_schema
 from .notify import Listener
 from .observe import Observer
+from .pickup import IdlePickup, Picked
 from .presence import Presence, WorkerInfo
 from .registry import Registry
 from .scheduler import Scheduler
@@ -174,6 +176,9 @@ class Worker:
         self.scheduler = Scheduler(registry) if registry.schedules else None
         self.next_fire: datetime | None = None
         self.listener: Listener | None = None
+        self.pickup: IdlePickup | None = None
+        self.last_picked: Picked | None = None  # the idle claim made while the loop slept
+        self.context = contextvars.Context()  # handlers started off the loop copy it
         longest = max(leases)
         info = WorkerInfo.here(self.queues, options.concurrency, options.poll_interval, longest)
         self.presence = Presence(registry.table, info)
@@ -227,6 +232,14 @@ class Worker:
         self.leases.start()
         helpers = [asyncio.create_task(self.finisher.run(), name="finisher")]
         if not self.options.burst:
+            self.context = contextvars.copy_context()
+            self.pickup = IdlePickup(
+                self.options.database_url,
+                self.sql,
+                self.options.prepared,
+                functools.partial(self._start_picked, loop),
+                functools.partial(_call_soon, loop, self._picked),
+            )
             self.listener = Listener(
                 self.options.listen_url or self.options.database_url,
                 channel,
@@ -234,6 +247,7 @@ class Worker:
                 self.wake,
                 eager=self.options.eager_reconnect,
                 hint=self._hint,
+                pickup=self.pickup,
             )
             helpers.append(asyncio.create_task(self.listener.run(), name="listener"))
         log.info(
@@ -378,7 +392,70 @@ class Worker:
                 # Block briefly first: the jobs just started get their handler
                 # threads going while this thread waits, not after the lookup.
                 await asyncio.sleep(HANDOFF_SECONDS)
-            await self._wait(await self._idle_timeout(empty))
+            picked = await self._sleep(await self._idle_timeout(empty))
+            while picked is not None and picked.drained and not self.stopping:
+                # The listener's thread claimed for us, and found the queue
+                # drained: so would a claim now. Do what follows a claim, and
+                # sleep again.
+                try:
+                    await self._maintain()
+                except psycopg.Error:
+                    break  # the claim that follows meets it too, and backs off
+                await self._presence(self.claimer, self._beat)
+                picked = await self._sleep(await self._idle_timeout(0))
+
+    async def _sleep(self, timeout: float) -> Picked | None:
+        """Wait to be woken; the idle claim the listener's thread made meanwhile, if any."""
+        self.last_picked = None
+        self._arm()
+        await self._wait(timeout)
+        await self._disarm()
+        picked, self.last_picked = self.last_picked, None
+        return picked
+
+    def _arm(self) -> None:
+        """Going to sleep with free slots: let the listener's thread claim the
+        next announced job itself (see `pickup`), where the loop's next claim
+        would start. Not while a sweep is out: its rows are not counted yet."""
+        if self.pickup is None or self.stopping or self.sweep is not None:
+            return
+        room = self._room()
+        if room > 0:
+            free = len(self.running) + len(self.ready) < self.options.concurrency
+            self.pickup.arm(room, may_start=free, after=self.cursor.after())
+
+    async def _disarm(self) -> None:
+        """Awake: claims are the loop's again; one already made on the
+        listener's thread is waited for, never claimed beside."""
+        if self.pickup is None:
+            return
+        while not self.pickup.disarm():
+            await self._wait(None)
+
+    def _start_picked(
+        self, loop: asyncio.AbstractEventLoop, row: dict[str, Any]
+    ) -> tuple[Attempt, OnThread, Callable[[], None]] | None:
+        """On the listener's thread: the first job of an idle claim, if plain,
+        made ready to run there; the loop learns of it in `_picked`."""
+        if self.stopping:
+            return None
+        task = self.registry.get(row["task"])
+        if task is None or task.is_async:
+            return None
+        attempt = Attempt.claimed(row, task.lease, self.claim_lease)
+        ready = self.runner.start_plain(attempt, self.context, loop)
+        return None if ready is None else (attempt, *ready)
+
+    def _picked(self, picked: Picked) -> None:
+        """An idle claim made on the listener's thread: ours from now on, as
+        if the loop had claimed it."""
+        assert self.pickup is not None
+        self.pickup.delivered()
+        now = time.monotonic()
+        self.cursor.claimed(picked.rows, picked.seconds, from_head=picked.from_head, now=now)
+        self._take(picked.rows, picked.started)
+        self.last_picked = picked
+        self.wake()
 
     async def _claim(self, want: int) -> list[dict[str, Any]]:
         """One claim, from the head of the queue or past the cursor's position
@@ -505,9 +582,19 @@ class Worker:
         if total:
             log.info("pruned %d finished jobs older than %s", total, older_than)
 
-    def _take(self, rows: list[dict[str, Any]]) -> None:
+    def _take(
+        self, rows: list[dict[str, Any]], started: tuple[Attempt, OnThread] | None = None
+    ) -> None:
         """Claimed attempts: ours from now on (their leases are kept), queued
-        for a slot and started while slots are free."""
+        for a slot and started while slots are free; `started` is the first
+        row's, already running (an idle claim's: see `pickup`)."""
+        if started is not None:
+            attempt, on_thread = started
+            self.attempts[attempt.key] = attempt
+            self.running[attempt.key] = attempt
+            self._observe_start(attempt)
+            self._await(attempt, on_thread, self._start_timeout(attempt))
+            rows = rows[1:]
         for row in rows:
             task = self.registry.get(row["task"])
             lease = task.lease if task is not None else self.claim_lease
@@ -814,6 +901,7 @@ class Worker:
         """Hand back attempts not started (refunded), give running ones
         `shutdown_timeout`, hand back the rest, then record every outcome."""
         self.stopping = True
+        await self._close_pickup()
         if self.stall_check is not None:
             self.stall_check.cancel()
         if self.sweep is not None:  # its rows join the ready ones handed back below
@@ -828,6 +916,22 @@ class Worker:
             attempt.cancel(Cancel.SHUTDOWN)
         await self._join_jobs(1.0)
         await self.finisher.drain()
+
+    async def _close_pickup(self) -> None:
+        """No more idle claims; one in flight is waited for (its rows are then
+        handed back with the rest), but not for ever: a claim stuck on a dead
+        connection leaves its rows to the reaper."""
+        if self.pickup is None or not self.pickup.close():
+            return
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(HAND_BACK_PATIENCE):
+                while self.pickup.claiming:
+                    await self._wait(None)
+        if self.pickup.claiming:
+            log.warning(
+                "an idle claim did not return within %ss; its jobs go to the reaper",
+                HAND_BACK_PATIENCE,
+            )
 
     def _jobs(self) -> set[asyncio.Future[Any]]:
         """What stands for each running job: its task, or its handler thread's future."""
@@ -850,11 +954,19 @@ class Worker:
         await self._presence(self.claimer, self.presence.leave)
         if self.listener is not None:
             await self.listener.stop()
+        if self.pickup is not None:
+            await asyncio.to_thread(self.pickup.disconnect)
         for driver in (self.claimer, self.sweeper, self.finisher.driver):
             await driver.close()
         if self.transactions is not None:
             await self.transactions.dispose()
         self.threads.shutdown()
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[[Picked], None], arg: Picked) -> None:
+    """From another thread; a loop already closed has nobody left to tell."""
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(fn, arg)
 
 
 def _internal_error(attempt: Attempt, exc: Exception) -> Outcome:

@@ -34,6 +34,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "finisher",
             "joblog",
             "claim_cursor",
+            "pickup",
             "vacuuming",
             "leases",
             "loop_watch",

@@ -1,0 +1,207 @@
+"""The idle worker's claim: made on the listener's thread the moment a job is announced (internal).
+
+A worker whose event loop is asleep used to answer a notification with four
+hand-overs: the loop noticed the LISTEN socket, woke its claim loop, waited
+on the claim's socket, then woke a handler thread. Each cost about a tenth of
+a millisecond, a third again on top of the least any worker that claims can
+do (a blocking listener that claims at once). So while the loop sleeps with
+free slots, it *arms* this object with how many jobs it may take, and the
+listener's thread, already awake with the notification, claims on a blocking
+connection of its own and hands the first plain (sync) job straight to a
+handler thread; the claimed rows then go to the loop, which owns them from
+there exactly as if it had claimed them itself (leases, outcomes, shutdown).
+
+Only one side claims at a time. Arming is taken back by the first side to
+act: the listener's thread disarms before it claims, and the loop disarms
+before it claims itself; a loop that finds a claim in flight waits for its
+rows instead of claiming beside it, so the worker never holds more than it
+asked for. Everything here that touches the database is the claim statement
+itself, so a pause, a concurrency limit or another session's row lock holds
+here as it does for the loop's claims.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+from psycopg.rows import dict_row
+from psycopg.types.json import set_json_loads
+
+from .attempt import Attempt
+from .db import connect_kwargs, conninfo
+from .driver import Compiled, Row, raw_json
+from .execute import OnThread
+from .notify import Handover
+from .statements import Position
+
+log = logging.getLogger("sqla_jobq.worker")
+
+
+# A job made ready on the listener's thread: the attempt (started), what the
+# loop awaits, and the call that runs its handler there.
+Started = tuple[Attempt, OnThread, Callable[[], None]]
+
+
+@dataclass(frozen=True)
+class Picked:
+    """What the listener's thread claimed: rows for the loop, the first one
+    already running on a handler thread if it was plain."""
+
+    rows: list[Row]
+    started: tuple[Attempt, OnThread] | None
+    seconds: float  # the claim's round trip, for the claim cursor
+    asked: int
+    from_head: bool  # or past the claim cursor's position
+    failed: bool  # the database could not be asked: the loop claims itself
+
+    @property
+    def drained(self) -> bool:
+        """Fewer jobs were ready than asked for: a claim now would find none."""
+        return not self.failed and len(self.rows) < self.asked
+
+
+class IdlePickup:
+    """Claims for a sleeping worker on the listener's thread (see the module docstring)."""
+
+    def __init__(
+        self,
+        url: str,
+        claims: Mapping[str, Compiled],
+        prepared: bool,
+        start: Callable[[Row], Started | None],
+        deliver: Callable[[Picked], None],
+    ) -> None:
+        self.url = conninfo(url)
+        self.claims = claims  # `claim`, and `claim_after` (see `claim_cursor`)
+        self.prepared = prepared
+        self.start = start  # on this thread: the first row's handler, made ready to run here
+        self.deliver = deliver  # on this thread: hand the claim to the worker's loop
+        self.lock = threading.Lock()
+        self.limit = 0  # armed: how many jobs the worker may take now (under lock)
+        self.may_start = False  # armed with a free slot: the first job may start here
+        self.after: Position | None = None  # armed to claim past this position
+        self.claiming = False  # a claim is on its way to the loop (under lock)
+        self.closed = False
+        self.picked = 0  # claims made here, for tests and the curious
+        self._conn: psycopg.Connection[Row] | None = None
+
+    # -- the loop's side --------------------------------------------------
+
+    def arm(self, limit: int, *, may_start: bool, after: Position | None) -> None:
+        """Let the listener's thread claim up to `limit` jobs (past `after`, as
+        the loop's next claim would), and start the first there if
+        `may_start` (a slot is free: `limit` may count prefetched jobs)."""
+        with self.lock:
+            if not self.closed and not self.claiming:
+                self.limit = limit
+                self.may_start = may_start
+                self.after = after
+
+    def disarm(self) -> bool:
+        """Take arming back; False while a claim made here has not reached the
+        loop yet (then wait for `delivered` before claiming)."""
+        with self.lock:
+            self.limit = 0
+            return not self.claiming
+
+    def delivered(self) -> None:
+        """The loop has taken the rows of the claim in flight."""
+        with self.lock:
+            self.claiming = False
+
+    def close(self) -> bool:
+        """No more claims here; True while one is still on its way to the loop."""
+        with self.lock:
+            self.closed = True
+            self.limit = 0
+            return self.claiming
+
+    def disconnect(self) -> None:
+        """Close the connection (blocking; after `close`, with no claim in flight)."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            try:
+                conn.close()
+            except Exception as exc:  # a broken connection may not close cleanly
+                log.debug("closing the idle claim connection: %s", exc)
+
+    # -- the listener's thread ----------------------------------------------
+
+    def heard(self, *, here: bool) -> Handover | bool:
+        """For a notification of one of our queues: False if not armed (wake
+        the loop); True once the claim is made and delivered. If `here` (the
+        listener has another thread to go on listening) and a slot is free,
+        the first job is made ready to run on this thread instead: then the
+        delivery is left to the other thread too (`Handover`), so that the
+        loop, woken by it, does not take the GIL from the handler's start."""
+        with self.lock:
+            limit, self.limit = self.limit, 0
+            if limit <= 0 or self.closed:
+                return False
+            self.claiming = True
+            may_start, after = self.may_start, self.after
+        rows: list[Row] | None = None
+        took = 0.0
+        first: Started | None = None
+        try:
+            rows, took = self._claim(limit, after)
+            first = self._start_first(rows or []) if may_start and here else None
+        finally:
+            # Always, whatever went wrong: the loop waits for this delivery
+            # before it claims again, and owns every row in it.
+            self.picked += 1
+            started = None if first is None else (first[0], first[1])
+            picked = Picked(rows or [], started, took, limit, after is None, failed=rows is None)
+            if first is None:
+                self.deliver(picked)
+        if first is None:
+            return True
+        return Handover(functools.partial(self.deliver, picked), first[2])
+
+    def _start_first(self, rows: list[Row]) -> Started | None:
+        if not rows:
+            return None
+        try:
+            return self.start(rows[0])
+        except Exception:  # a bug of ours: the loop starts the job as usual
+            log.exception("job %s: could not start it on the listener's thread", rows[0]["id"])
+            return None
+
+    def _claim(self, limit: int, after: Position | None) -> tuple[list[Row] | None, float]:
+        """The rows claimed, or None if the database could not be asked (the
+        loop, woken by the delivery anyway, then claims and retries itself);
+        and the statement's round trip, without connecting: the claim cursor
+        takes a slow claim for a sign of dead index entries."""
+        try:
+            conn = self._connection()
+            stmt, params = self._statement(limit, after)
+            started = time.monotonic()
+            rows = conn.execute(stmt.sql, stmt.params(**params)).fetchall()
+            return rows, time.monotonic() - started
+        except psycopg.Error as exc:
+            log.info("idle claim failed (%s); the worker claims instead", exc)
+            conn_ = self._conn
+            if conn_ is not None and (conn_.broken or conn_.closed):
+                self.disconnect()
+            return None, 0.0
+
+    def _statement(self, limit: int, after: Position | None) -> tuple[Compiled, dict[str, Any]]:
+        if after is None:
+            return self.claims["claim"], {"limit": limit}
+        priority, run_at, job_id = after
+        values = {"after_priority": priority, "after_run_at": run_at, "after_id": job_id}
+        return self.claims["claim_after"], {"limit": limit, **values}
+
+    def _connection(self) -> psycopg.Connection[Row]:
+        if self._conn is None or self._conn.closed:
+            conn = psycopg.connect(self.url, row_factory=dict_row, **connect_kwargs(self.prepared))
+            set_json_loads(raw_json, conn)
+            self._conn = conn
+        return self._conn
