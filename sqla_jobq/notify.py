@@ -100,6 +100,7 @@ class Listener:
         self._turn = threading.Lock()
         self._running: threading.Thread | None = None  # the thread inside a handler
         self._deliver: Callable[[], None] | None = None  # for the next to take the turn
+        self._waking = False  # a wake is on its way to the loop
         self._conn: psycopg.Connection[Any] | None = None
         self._delay = RETRY_START
         self._connected_once = False
@@ -183,7 +184,7 @@ class Listener:
         log.debug("listening on channel %r", self.channel)
         if self._connected_once:
             log.info("LISTEN connection restored; claiming to catch up")
-            self._to_loop(self.wake)
+            self._wake_loop()
         self._connected_once = True
 
     def _after_loss(self) -> None:
@@ -223,7 +224,7 @@ class Listener:
                 log.exception("idle claim failed; waking the worker")
                 took = False
             if took is False:
-                self._to_loop(self.wake)
+                self._wake_loop()
             elif took is not True:
                 return took
         elif self.hint is not None and payload.startswith("#"):
@@ -256,6 +257,19 @@ class Listener:
         with contextlib.suppress(OSError):
             while self._bell_r.recv(4096):
                 pass
+
+    def _wake_loop(self) -> None:
+        """Wake the worker, once for any number of notifications heard before
+        it woke: a busy worker hearing a notification per enqueue would
+        otherwise be interrupted for each. None is lost: `_waking` is cleared
+        before `wake` runs, so a notification heard meanwhile wakes it again."""
+        if not self._waking:
+            self._waking = True
+            self._to_loop(self._woken)
+
+    def _woken(self) -> None:
+        self._waking = False
+        self.wake()
 
     def _to_loop(self, fn: Callable[..., object], *args: Any) -> None:
         loop = self._loop

@@ -1,13 +1,15 @@
 """Where pickup latency goes: `python -m bench.tools.breakdown [JOBS]`.
 
 Not part of the suite. The worker runs in this process (non-burst, LISTEN
-active) with its wake-up, its claim and its hand-over to a handler thread
-timed; a producer in a process of its own commits JOBS `stamp` jobs one at a
-time, and after each, 8 ms later, one row into a second table, which a raw
+active) with its idle claim timed (the listening thread hearing the
+notification, its claim sent and returned: see `sqla_jobq.pickup`); a
+producer in a process of its own commits JOBS `stamp` jobs one at a time,
+and after each, 8 ms later, one row into a second table, which a raw
 baseline in a third process hears with a blocking LISTEN and claims with the
 worker's own claim statement. The jobs of the two never overlap, so neither
 pays for the other's CPU. Prints, from COMMIT sent, when each stage was
-reached (p50 and p90), and the baseline's notification and claim.
+reached (p50 and p90), the baseline's notification and claim, and how many
+jobs the idle claim took (the others were claimed by the worker's loop).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from sqla_jobq import driver, threads
+from sqla_jobq import pickup
 from sqla_jobq.worker import Worker, WorkerOptions
 
 from .. import common, tasks
@@ -88,26 +90,25 @@ def _timed(marks: list[float], call: Callable[..., Any]) -> Callable[..., Any]:
     return timed
 
 
-def _instrument(claims: list[tuple[float, float]], handed: list[float]) -> None:
-    original = driver.Driver.claim
+def _instrument(heard: list[float], claims: list[tuple[float, float]]) -> None:
+    original = pickup.IdlePickup._claim
 
-    async def timed_claim(self: driver.Driver, limit: int, after: Any = None) -> list[Any]:
+    def timed_claim(self: pickup.IdlePickup, limit: int, after: Any) -> Any:
         sent = time.time()
-        rows = await original(self, limit, after)
+        rows, took = original(self, limit, after)
         if rows:
             claims.append((sent, time.time()))
-        return rows
+        return rows, took
 
-    driver.Driver.claim = timed_claim  # type: ignore[method-assign]
-    threads.HandlerThreads.run = _timed(handed, threads.HandlerThreads.run)  # type: ignore[method-assign]
+    pickup.IdlePickup._claim = timed_claim  # type: ignore[method-assign]
+    pickup.IdlePickup.heard = _timed(heard, pickup.IdlePickup.heard)  # type: ignore[method-assign]
 
 
 def main(argv: list[str]) -> int:
     count = int(argv[0]) if argv else 200
-    wakes: list[float] = []
+    woken: list[float] = []
     claims: list[tuple[float, float]] = []
-    handed: list[float] = []
-    _instrument(claims, handed)
+    _instrument(woken, claims)
     with common.scratch_database(common.Sizes(), 1) as bench, tempfile.TemporaryDirectory() as tmp:
         common.create_table(bench)
         common.create_table(bench, FLOOR)
@@ -122,7 +123,6 @@ def main(argv: list[str]) -> int:
             tasks.registry,
             WorkerOptions(database_url=bench.url, concurrency=8, poll_interval=60),
         )
-        worker.wake = _timed(wakes, worker.wake)  # type: ignore[method-assign]
 
         def stop_when_done() -> None:
             producer.wait()
@@ -147,27 +147,35 @@ def main(argv: list[str]) -> int:
     stages: dict[str, list[float]] = {
         "baseline: notification": [],
         "baseline: claim returned": [],
-        "ours: worker woken": [],
-        "ours: claim sent": [],
-        "ours: claim returned": [],
-        "ours: handler thread woken": [],
+        "ours: listening thread woken": [],
+        "ours: idle claim sent": [],
+        "ours: idle claim returned": [],
         "ours: handler started": [],
     }
-    for marks in (claims, wakes, handed):
-        marks.sort()
+    woken.sort()
+    claims.sort()
+    picked = 0
     for seq in range(count):
         t0, f0 = sent[("jobs", seq)], sent[(FLOOR, seq)]
         i = bisect.bisect_left(claims, (t0, 0.0))
         claim = claims[i] if i < len(claims) else (float("nan"), float("nan"))
-        ours = [_next(wakes, t0), *claim, _next(handed, t0), started[seq]]
+        if not claim[1] < started[seq]:  # claimed by the loop: no idle claim before it
+            claim = (float("nan"), float("nan"))
+        picked += claim[1] == claim[1]
+        ours = [_next(woken, t0), *claim, started[seq]]
         values = [floor[seq][0] - f0, floor[seq][1] - f0, *(at - t0 for at in ours)]
         for name, value in zip(stages, values, strict=True):
             stages[name].append(value * 1000)
-    print(f"{count} jobs, ms after COMMIT was sent (ours and the baseline's interleaved):")
+    print(f"{count} jobs, ms after COMMIT was sent (ours and the baseline's interleaved);")
+    print(f"{picked} claimed by the listening thread, the rest by the worker's loop:")
     print(f"  {'stage':<30} {'p50':>7} {'p90':>7}")
     for name, values in stages.items():
-        p50, p90 = common.percentile(values, 50), common.percentile(values, 90)
+        known = [v for v in values if v == v]  # NaN: a stage this job did not pass
+        p50, p90 = common.percentile(known, 50), common.percentile(known, 90)
         print(f"  {name:<30} {p50:7.2f} {p90:7.2f}")
+    handler_p50 = common.percentile(stages["ours: handler started"], 50)
+    floor_p50 = common.percentile(stages["baseline: claim returned"], 50)
+    print(f"  handler started / baseline claim returned, p50: {handler_p50 / floor_p50:.2f}x")
     return 0
 
 
