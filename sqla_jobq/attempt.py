@@ -90,14 +90,27 @@ class Attempt:
     cancel_event: CancelSignal = field(default_factory=CancelSignal, repr=False)
 
     @classmethod
-    def claimed(cls, row: dict[str, Any], lease: timedelta, claim_lease: timedelta) -> Attempt:
-        now = time.monotonic()
+    def claimed(
+        cls,
+        row: dict[str, Any],
+        lease: timedelta,
+        claim_lease: timedelta,
+        *,
+        at: float | None = None,
+        cancel_event: CancelSignal | None = None,
+    ) -> Attempt:
+        """Claimed now, or `at` (monotonic) when built after the claim; with
+        the `cancel_event` its handler was already given, if it has one."""
+        now = time.monotonic() if at is None else at
         # The claim leased it for `claim_lease` (the shortest of all tasks),
         # not its own: date the last extension back so the first heartbeat is
         # due a third of the way into the claim lease, not into the task's.
         head_start = (lease - claim_lease).total_seconds() / 3
         key = (row["id"], row["attempts"])
-        return cls(row, key, lease, now, now - head_start, now + claim_lease.total_seconds())
+        expires = now + claim_lease.total_seconds()
+        if cancel_event is None:
+            return cls(row, key, lease, now, now - head_start, expires)
+        return cls(row, key, lease, now, now - head_start, expires, cancel_event=cancel_event)
 
     @property
     def task_name(self) -> str | None:
@@ -111,10 +124,10 @@ class Attempt:
         if self.state not in allowed:
             raise RuntimeError(f"{self.describe()}: cannot leave state {self.state.value}")
 
-    def start(self) -> None:
+    def start(self, at: float | None = None) -> None:
         self._leave(State.CLAIMED)
         self.state = State.STARTED
-        self.started_at = time.monotonic()
+        self.started_at = time.monotonic() if at is None else at
 
     def finish(self, outcome: Outcome) -> bool:
         """Keep the handler's outcome to record; False if the attempt was

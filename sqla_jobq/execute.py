@@ -20,7 +20,7 @@ from typing import Any
 
 from .attempt import Attempt, Cancel, Outcome
 from .capture import Captured, capture_async
-from .job import Job, LeaseLost, decode_json, is_mapping, set_current_job
+from .job import CancelSignal, Job, LeaseLost, decode_json, is_mapping, set_current_job
 from .observe import Observer
 from .registry import Registry, Task
 from .threads import HandlerThreads
@@ -92,15 +92,19 @@ class Runner:
         return OnThread(self.threads.run(functools.partial(context.run, call)), context)
 
     def start_plain(
-        self, attempt: Attempt, base: contextvars.Context, loop: asyncio.AbstractEventLoop
+        self,
+        row: dict[str, Any],
+        cancel_event: CancelSignal,
+        base: contextvars.Context,
+        loop: asyncio.AbstractEventLoop,
     ) -> tuple[OnThread, Callable[[], None]] | None:
-        """From any thread (the listener's: see `sqla_jobq.pickup`): a plain
-        handler made ready to run in a copy of `base`, the worker's context,
-        with the attempt marked started: its `OnThread` for the loop, and the
-        call that runs it on the calling thread. None, and nothing started,
-        for an async handler or a job refused (the loop starts those)."""
+        """From any thread (the listener's: see `sqla_jobq.pickup`): a claimed
+        row's plain handler made ready to run in a copy of `base`, the
+        worker's context: what the loop awaits, and the call that runs it on
+        the calling thread. None for an async handler or a job refused (the
+        loop starts those). No `Attempt` yet: one is built off this path."""
         try:
-            task, job = prepare(self.registry, attempt)
+            task, job = prepare_row(self.registry, row, cancel_event)
         except Refused:
             return None
         if task.is_async:
@@ -109,9 +113,8 @@ class Runner:
         context.run(set_current_job, job)
         call = self._callable(task, job)
         if self.in_handler:
-            call = functools.partial(self._observed, job, attempt.row, call)
+            call = functools.partial(self._observed, job, row, call)
         future: asyncio.Future[Captured] = asyncio.Future(loop=loop)
-        attempt.start()
         run = functools.partial(context.run, call)
         return OnThread(future, context), functools.partial(self.threads.run_here, future, run)
 
@@ -190,14 +193,22 @@ async def _on_loop(attempt: Attempt, context: contextvars.Context, work: Any) ->
 def prepare(registry: Registry, attempt: Attempt) -> tuple[Task[Any, Any], Job]:
     """The task and the job to call it with, or `Refused` saying why the
     attempt fails without a call (the worker and `testing.drain` alike)."""
-    task = registry.get(attempt.task_name)
+    return prepare_row(registry, attempt.row, attempt.cancel_event)
+
+
+def prepare_row(
+    registry: Registry, row: dict[str, Any], cancel_event: CancelSignal
+) -> tuple[Task[Any, Any], Job]:
+    """`prepare` for a claimed row whose `Attempt` is not built yet."""
+    name = row["task"]
+    task = registry.get(name)
     if task is None:
-        raise Refused(f"UnknownTask: task {attempt.task_name!r} is not registered on this worker")
-    payload = decode_payload(attempt.row["payload"])
+        raise Refused(f"UnknownTask: task {name!r} is not registered on this worker")
+    payload = decode_payload(row["payload"])
     mismatch = task.mismatch(payload)
     if mismatch is not None:
         raise Refused(f"InvalidPayload: {mismatch}")
-    return task, Job.from_row(attempt.row, payload=payload, cancel_event=attempt.cancel_event)
+    return task, Job.from_row(row, payload=payload, cancel_event=cancel_event)
 
 
 def decode_payload(raw: Any) -> dict[str, Any]:

@@ -203,14 +203,19 @@ class Listener:
         """Wait on the connection and the bell until stopped or given a
         handler to run; psycopg.Error if the connection drops."""
         fd, bell = conn.fileno(), self._bell_r.fileno()
+        pgconn, encoding = conn.pgconn, conn.info.encoding
         while not self._stopping:
             readable, _, _ = select.select([fd, bell], [], [])
             if bell in readable:
                 self._silence()
             if fd in readable:
+                # What `conn.notifies()` does, without its generator, lock
+                # and second wait: this is the pickup's hot path.
+                pgconn.consume_input()
                 handover = None
-                for note in list(conn.notifies(timeout=0)):
-                    handover = self._heard(note.payload, here=handover is None) or handover
+                while (note := pgconn.notifies()) is not None:
+                    payload = note.extra.decode(encoding)
+                    handover = self._heard(payload, here=handover is None) or handover
                 if handover is not None:
                     return handover
         return None

@@ -22,6 +22,7 @@ here as it does for the loop's claims.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import threading
@@ -44,9 +45,10 @@ from .statements import Position
 log = logging.getLogger("sqla_jobq.worker")
 
 
-# A job made ready on the listener's thread: the attempt (started), what the
-# loop awaits, and the call that runs its handler there.
-Started = tuple[Attempt, OnThread, Callable[[], None]]
+# A job made ready on the listener's thread: its `Attempt` (built, started,
+# only when the loop is told, off the handler's way), what the loop awaits,
+# and the call that runs its handler there.
+Started = tuple[Callable[[], Attempt], OnThread, Callable[[], None]]
 
 
 @dataclass(frozen=True)
@@ -157,13 +159,18 @@ class IdlePickup:
             # Always, whatever went wrong: the loop waits for this delivery
             # before it claims again, and owns every row in it.
             self.picked += 1
-            started = None if first is None else (first[0], first[1])
-            picked = Picked(rows or [], started, took, limit, after is None, failed=rows is None)
+            found = Picked(rows or [], None, took, limit, after is None, failed=rows is None)
             if first is None:
-                self.deliver(picked)
+                self.deliver(found)
         if first is None:
             return True
-        return Handover(functools.partial(self.deliver, picked), first[2])
+        attempt, on_thread, run = first
+        return Handover(functools.partial(self._deliver_started, found, attempt, on_thread), run)
+
+    def _deliver_started(
+        self, found: Picked, attempt: Callable[[], Attempt], on_thread: OnThread
+    ) -> None:
+        self.deliver(dataclasses.replace(found, started=(attempt(), on_thread)))
 
     def _start_first(self, rows: list[Row]) -> Started | None:
         if not rows:

@@ -46,6 +46,7 @@ from .db import RETRY_MAX, RETRY_START, sqlalchemy_url
 from .driver import Driver, lifecycle_statements
 from .execute import OnThread, Runner, Started, outcome_now, timed_out
 from .finisher import Finisher
+from .job import CancelSignal
 from .joblog import JobLog
 from .leases import LeaseKeeper
 from .loop_watch import LoopWatch
@@ -434,17 +435,29 @@ class Worker:
 
     def _start_picked(
         self, loop: asyncio.AbstractEventLoop, row: dict[str, Any]
-    ) -> tuple[Attempt, OnThread, Callable[[], None]] | None:
+    ) -> tuple[Callable[[], Attempt], OnThread, Callable[[], None]] | None:
         """On the listener's thread: the first job of an idle claim, if plain,
-        made ready to run there; the loop learns of it in `_picked`."""
+        made ready to run there; its `Attempt` is built when the loop is told
+        (in `_picked`), after the handler has started."""
+        at = time.monotonic()
         if self.stopping:
             return None
         task = self.registry.get(row["task"])
         if task is None or task.is_async:
             return None
-        attempt = Attempt.claimed(row, task.lease, self.claim_lease)
-        ready = self.runner.start_plain(attempt, self.context, loop)
-        return None if ready is None else (attempt, *ready)
+        signal = CancelSignal()
+        ready = self.runner.start_plain(row, signal, self.context, loop)
+        if ready is None:
+            return None
+        attempt = functools.partial(self._started_attempt, row, task.lease, signal, at)
+        return attempt, *ready
+
+    def _started_attempt(
+        self, row: dict[str, Any], lease: timedelta, signal: CancelSignal, at: float
+    ) -> Attempt:
+        attempt = Attempt.claimed(row, lease, self.claim_lease, at=at, cancel_event=signal)
+        attempt.start(at)
+        return attempt
 
     def _picked(self, picked: Picked) -> None:
         """An idle claim made on the listener's thread: ours from now on, as
