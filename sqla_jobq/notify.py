@@ -12,7 +12,7 @@ How soon to reconnect is a choice. *Eager* reconnects with backoff at once.
 work to record): a serverless compute that suspended, closing every
 connection, is not woken again by a worker that has nothing to do.
 
-The connection is waited on by a thread blocked in `select`, not by the
+The connection is waited on by a thread blocked in `poll`, not by the
 worker's event loop: an idle worker's pickup latency is a chain of wake-ups,
 and each hop in it (the loop noticing the socket, then the claim's own
 socket, then the hand-over to a handler thread) cost about a tenth of a
@@ -204,8 +204,11 @@ class Listener:
         handler to run; psycopg.Error if the connection drops."""
         fd, bell = conn.fileno(), self._bell_r.fileno()
         pgconn, encoding = conn.pgconn, conn.info.encoding
+        poller = select.poll()  # not select(): an app's process may hold fds past 1024
+        poller.register(fd, select.POLLIN)
+        poller.register(bell, select.POLLIN)
         while not self._stopping:
-            readable, _, _ = select.select([fd, bell], [], [])
+            readable = {ready for ready, _ in poller.poll()}
             if bell in readable:
                 self._silence()
             if fd in readable:
@@ -250,8 +253,9 @@ class Listener:
 
     def _doze(self, timeout: float | None) -> None:
         """Sleep until `timeout` runs out or the bell rings (stop, poke)."""
-        readable, _, _ = select.select([self._bell_r.fileno()], [], [], timeout)
-        if readable:
+        poller = select.poll()
+        poller.register(self._bell_r.fileno(), select.POLLIN)
+        if poller.poll(None if timeout is None else timeout * 1000):
             self._silence()
 
     def _ring(self) -> None:
