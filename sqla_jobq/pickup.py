@@ -7,9 +7,10 @@ a millisecond, a third again on top of the least any worker that claims can
 do (a blocking listener that claims at once). So while the loop sleeps with
 free slots, it *arms* this object with how many jobs it may take, and the
 listener's thread, already awake with the notification, claims on a blocking
-connection of its own and hands the first plain (sync) job straight to a
-handler thread; the claimed rows then go to the loop, which owns them from
-there exactly as if it had claimed them itself (leases, outcomes, shutdown).
+connection of its own and runs the first plain (sync) job's handler itself,
+once it has handed listening to its partner thread (see `notify`); the
+claimed rows go to the loop, which owns them from there exactly as if it had
+claimed them itself (leases, outcomes, shutdown).
 
 Only one side claims at a time. Arming is taken back by the first side to
 act: the listener's thread disarms before it claims, and the loop disarms
@@ -54,7 +55,7 @@ Started = tuple[Callable[[], Attempt], OnThread, Callable[[], None]]
 @dataclass(frozen=True)
 class Picked:
     """What the listener's thread claimed: rows for the loop, the first one
-    already running on a handler thread if it was plain."""
+    already running on that thread if it was plain."""
 
     rows: list[Row]
     started: tuple[Attempt, OnThread] | None
@@ -170,7 +171,14 @@ class IdlePickup:
     def _deliver_started(
         self, found: Picked, attempt: Callable[[], Attempt], on_thread: OnThread
     ) -> None:
-        self.deliver(dataclasses.replace(found, started=(attempt(), on_thread)))
+        """On the partner thread: the claim, with the running job's `Attempt`.
+        It is delivered whatever happens, or the loop would wait for ever."""
+        try:
+            found = dataclasses.replace(found, started=(attempt(), on_thread))
+        except Exception:  # a bug of ours: its lease runs out and a reaper returns it
+            log.exception("job %s: could not track it as running", found.rows[0]["id"])
+            found = dataclasses.replace(found, rows=found.rows[1:])  # never started twice
+        self.deliver(found)
 
     def _start_first(self, rows: list[Row]) -> Started | None:
         if not rows:
@@ -194,8 +202,7 @@ class IdlePickup:
             return rows, time.monotonic() - started
         except psycopg.Error as exc:
             log.info("idle claim failed (%s); the worker claims instead", exc)
-            conn_ = self._conn
-            if conn_ is not None and (conn_.broken or conn_.closed):
+            if self._conn is not None and (self._conn.broken or self._conn.closed):
                 self.disconnect()
             return None, 0.0
 
