@@ -23,6 +23,8 @@ here as it does for the loop's claims.
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import dataclasses
 import functools
 import logging
@@ -30,6 +32,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import psycopg
@@ -39,8 +42,10 @@ from psycopg.types.json import set_json_loads
 from .attempt import Attempt
 from .db import connect_kwargs, conninfo
 from .driver import Compiled, Row, raw_json
-from .execute import OnThread
+from .execute import OnThread, Runner
+from .job import CancelSignal
 from .notify import Handover
+from .registry import Registry
 from .statements import Position
 
 log = logging.getLogger("sqla_jobq.worker")
@@ -68,6 +73,47 @@ class Picked:
     def drained(self) -> bool:
         """Fewer jobs were ready than asked for: a claim now would find none."""
         return not self.failed and len(self.rows) < self.asked
+
+
+class Starter:
+    """On the listener's thread: the first job of an idle claim, if its task is
+    a plain function, made ready to run there, in a copy of the context the
+    worker was started in. Its `Attempt` is built later, when the loop is
+    told, so that the handler starts first."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        runner: Runner,
+        claim_lease: timedelta,
+        loop: asyncio.AbstractEventLoop,
+        stopping: Callable[[], bool],
+    ) -> None:
+        self.registry = registry
+        self.runner = runner
+        self.claim_lease = claim_lease
+        self.loop = loop
+        self.stopping = stopping
+        self.context = contextvars.copy_context()
+
+    def __call__(self, row: Row) -> Started | None:
+        at = time.monotonic()  # the claim's time: the lease runs from it
+        if self.stopping():
+            return None
+        task = self.registry.get(row["task"])
+        if task is None or task.is_async:
+            return None
+        signal = CancelSignal()
+        ready = self.runner.start_plain(row, signal, self.context, self.loop)
+        if ready is None:
+            return None
+        attempt = functools.partial(self._attempt, row, task.lease, signal, at)
+        return attempt, *ready
+
+    def _attempt(self, row: Row, lease: timedelta, signal: CancelSignal, at: float) -> Attempt:
+        attempt = Attempt.claimed(row, lease, self.claim_lease, at=at, cancel_event=signal)
+        attempt.start(at)
+        return attempt
 
 
 class IdlePickup:

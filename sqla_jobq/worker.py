@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
 import functools
 import logging
 import os
@@ -46,14 +45,13 @@ from .db import RETRY_MAX, RETRY_START, sqlalchemy_url
 from .driver import Driver, lifecycle_statements
 from .execute import OnThread, Runner, Started, outcome_now, timed_out
 from .finisher import Finisher
-from .job import CancelSignal
 from .joblog import JobLog
 from .leases import LeaseKeeper
 from .loop_watch import LoopWatch
 from .migrations.check import check_schema
 from .notify import Listener
 from .observe import Observer
-from .pickup import IdlePickup, Picked
+from .pickup import IdlePickup, Picked, Starter
 from .presence import Presence, WorkerInfo
 from .registry import Registry
 from .scheduler import Scheduler
@@ -179,7 +177,6 @@ class Worker:
         self.listener: Listener | None = None
         self.pickup: IdlePickup | None = None
         self.last_picked: Picked | None = None  # the idle claim made while the loop slept
-        self.context = contextvars.Context()  # handlers started off the loop copy it
         longest = max(leases)
         info = WorkerInfo.here(self.queues, options.concurrency, options.poll_interval, longest)
         self.presence = Presence(registry.table, info)
@@ -233,12 +230,11 @@ class Worker:
         self.leases.start()
         helpers = [asyncio.create_task(self.finisher.run(), name="finisher")]
         if not self.options.burst:
-            self.context = contextvars.copy_context()
             self.pickup = IdlePickup(
                 self.options.database_url,
                 self.sql,
                 self.options.prepared,
-                functools.partial(self._start_picked, loop),
+                Starter(self.registry, self.runner, self.claim_lease, loop, lambda: self.stopping),
                 functools.partial(_call_soon, loop, self._picked),
             )
             self.listener = Listener(
@@ -432,32 +428,6 @@ class Worker:
             return
         while not self.pickup.disarm():
             await self._wait(None)
-
-    def _start_picked(
-        self, loop: asyncio.AbstractEventLoop, row: dict[str, Any]
-    ) -> tuple[Callable[[], Attempt], OnThread, Callable[[], None]] | None:
-        """On the listener's thread: the first job of an idle claim, if plain,
-        made ready to run there; its `Attempt` is built when the loop is told
-        (in `_picked`), after the handler has started."""
-        at = time.monotonic()
-        if self.stopping:
-            return None
-        task = self.registry.get(row["task"])
-        if task is None or task.is_async:
-            return None
-        signal = CancelSignal()
-        ready = self.runner.start_plain(row, signal, self.context, loop)
-        if ready is None:
-            return None
-        attempt = functools.partial(self._started_attempt, row, task.lease, signal, at)
-        return attempt, *ready
-
-    def _started_attempt(
-        self, row: dict[str, Any], lease: timedelta, signal: CancelSignal, at: float
-    ) -> Attempt:
-        attempt = Attempt.claimed(row, lease, self.claim_lease, at=at, cancel_event=signal)
-        attempt.start(at)
-        return attempt
 
     def _picked(self, picked: Picked) -> None:
         """An idle claim made on the listener's thread: ours from now on, as
