@@ -993,14 +993,15 @@ def prune(
     older_than: timedelta,
     limit: int = 10000,
     statuses: Sequence[str] = FINISHED_STATUSES,
+    skip_locked: bool = False,
 ) -> Delete:
-    """Delete one batch of finished jobs; loop until it deletes nothing.
+    """Delete one batch of finished jobs; loop until it deletes fewer than `limit`.
 
     Small batches keep each transaction short, so pruning itself never holds
     VACUUM back. Rows finished by hand-written SQL that left `finished_at`
-    empty are aged by `created_at`.
+    empty are aged by `created_at`. `skip_locked`: see `archive`.
     """
-    return table.delete().where(_finished_batch(table, older_than, limit, statuses))
+    return table.delete().where(_finished_batch(table, older_than, limit, statuses, skip_locked))
 
 
 def archive(
@@ -1009,18 +1010,27 @@ def archive(
     older_than: timedelta,
     limit: int = 10000,
     statuses: Sequence[str] = FINISHED_STATUSES,
+    skip_locked: bool = False,
 ) -> Insert:
-    """Move one batch of finished jobs to `<table>_archive`; loop until it moves nothing.
+    """Move one batch of finished jobs to `<table>_archive`; loop until it
+    moves fewer than `limit`.
 
     One statement, ``WITH moved AS (DELETE ... RETURNING *) INSERT INTO
     <table>_archive SELECT ... FROM moved``: the delete and the copy commit or
     fail together, so no job is ever in both tables or in neither. Ids are
     kept; `archived_at` takes its default. The row count is the number moved
     (`preserve_rowcount`: SQLAlchemy reports an INSERT's row count only when asked).
+
+    `skip_locked` picks the batch with ``FOR UPDATE SKIP LOCKED``: rows another
+    session holds (another worker's batch, an admin's transaction, a `retry`
+    in progress) are passed by at once and left for a later batch, so several
+    sessions can archive the same table at once without waiting on each
+    other, each job moved by exactly one of them. Without it a batch waits on
+    such a row, then re-checks it (see `_finished_batch`).
     """
     moved = (
         table.delete()
-        .where(_finished_batch(table, older_than, limit, statuses))
+        .where(_finished_batch(table, older_than, limit, statuses, skip_locked))
         .returning(*table.c)
         .cte("moved")
     )
@@ -1035,13 +1045,21 @@ def archive(
 
 
 def _finished_batch(
-    table: Table, older_than: timedelta, limit: int, statuses: Sequence[str]
+    table: Table,
+    older_than: timedelta,
+    limit: int,
+    statuses: Sequence[str],
+    skip_locked: bool = False,
 ) -> ColumnElement[bool]:
     """`id IN (one batch of old finished jobs)`, and the same test again on the row.
 
     The subquery runs once, on its snapshot; the repeated test is what the
     DELETE re-checks on a row that changed meanwhile (a failed job sent back
     by `retry`), so a job that is queued again is never pruned or archived.
+    With `skip_locked` the subquery locks its batch as it picks it (`FOR
+    UPDATE SKIP LOCKED` under the LIMIT, as the claim does): a row someone
+    holds is skipped, and a row changed and committed since the snapshot is
+    re-tested by the lock itself before it is taken.
     """
     bad = [s for s in statuses if s not in FINISHED_STATUSES]
     if bad or not statuses:
@@ -1060,6 +1078,8 @@ def _finished_batch(
         < func.now() - bindparam("older_than", older_than, type_=Interval),
     )
     victims = select(c.id).where(old_finished).limit(bindparam("limit", limit, type_=Integer))
+    if skip_locked:
+        victims = victims.with_for_update(skip_locked=True)
     return and_(c.id.in_(victims.scalar_subquery()), old_finished)
 
 
