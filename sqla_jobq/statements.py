@@ -979,12 +979,23 @@ def mark_awaited(table: Table, id: int) -> Update:
     return update(table).where(_id_in(table, active)).values(awaited=marked).returning(c.id)
 
 
-def job_outcome(table: Table, id: int) -> Select[Any]:
-    """Job `id`'s status, stored result and last error: what a waiter returns or raises."""
-    c = table.c
-    return select(c.status, c.result, c.last_error).where(
-        c.id == bindparam("id", id, type_=BigInteger)
-    )
+def job_outcome(table: Table, id: int) -> CompoundSelect[Any]:
+    """Job `id`'s status, stored result and last error: what a waiter returns
+    or raises; no row if there is no such job.
+
+    It reads the jobs table and `<table>_archive` in one statement, so one
+    snapshot: a finished job moved to the archive (by a worker's
+    `archive_after`, or `jobq prune --archive`) is found there, and a job is
+    never missed while it moves (it is in exactly one of them). Each side is
+    one primary-key lookup.
+    """
+    archived = archive_table(MetaData(), table.name, table.schema)
+    job_id = bindparam("id", id, type_=BigInteger)
+    reads = [
+        select(t.c.status, t.c.result, t.c.last_error).where(t.c.id == job_id)
+        for t in (table, archived)
+    ]
+    return union_all(*reads)
 
 
 def prune(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import AsyncIterator, Callable
+from datetime import timedelta
 from typing import Any
 
 import psycopg
@@ -110,6 +111,59 @@ def test_a_cancelled_job_raises_job_cancelled(engine: Engine, table: Table) -> N
         wait_for(engine, job_id, timeout=0, table=table)
 
 
+def archive_all(engine: Engine, table: Table) -> int:
+    """Move every finished job to the archive now, as a worker does after `archive_after`."""
+    with engine.begin() as conn:
+        return conn.execute(statements.archive(table, older_than=timedelta(0))).rowcount
+
+
+def test_result_of_an_archived_job_is_still_returned(engine: Engine, table: Table) -> None:
+    job_id = enqueue(engine, table)
+    finish(engine, table, lambda i, a: statements.complete(table, i, a, result={"n": 1}))
+    assert archive_all(engine, table) == 1
+    assert wait_for(engine, job_id, timeout=0, table=table) == {"n": 1}
+
+
+def test_an_archived_failed_or_cancelled_job_raises_as_it_did_in_the_table(
+    engine: Engine, table: Table
+) -> None:
+    failed = enqueue(engine, table, max_attempts=1)
+    finish(engine, table, lambda i, a: statements.fail(table, i, a, "SMTP 451"))
+    cancelled = enqueue(engine, table)
+    with engine.begin() as conn:
+        conn.execute(statements.cancel(table, cancelled))
+    assert archive_all(engine, table) == 2
+    with pytest.raises(JobFailed, match="SMTP 451") as raised:
+        wait_for(engine, failed, timeout=0, table=table)
+    assert (raised.value.job_id, raised.value.last_error) == (failed, "SMTP 451")
+    with pytest.raises(JobCancelled, match=f"job {cancelled} was cancelled"):
+        wait_for(engine, cancelled, timeout=0, table=table)
+
+
+def test_a_job_archived_while_its_waiter_listens_is_found_in_the_archive(
+    engine: Engine, table: Table, raw: Raw
+) -> None:
+    """The job ends and is moved before the waiter reads it again: the
+    waiter must find it in the archive, not call it unknown."""
+    job_id = enqueue(engine, table)
+    got: list[Any] = []
+    waiter = in_thread(lambda: got.append(wait_for(engine, job_id, timeout=60, table=table)))
+    awaited = f'SELECT awaited FROM "{table.name}" WHERE id = %s'
+    wait_until(lambda: raw.execute(awaited, (job_id,)).fetchone() == (True,), 30, "the mark")
+    with engine.begin() as conn:
+        row = conn.execute(statements.claim(table, limit=1)).one()
+        conn.execute(statements.complete(table, row.id, row.attempts, result="moved"))
+        # finished_at is now(), this transaction's start: age it, so the move
+        # commits with the completion and the waiter never sees the job done
+        # in the jobs table.
+        conn.execute(
+            table.update().values(finished_at=table.c.finished_at - timedelta(seconds=1))
+        )
+        assert conn.execute(statements.archive(table, older_than=timedelta(0))).rowcount == 1
+    waiter.join(60)
+    assert got == ["moved"]
+
+
 def test_an_unknown_job_raises_lookup_error(engine: Engine, table: Table) -> None:
     with pytest.raises(LookupError, match="job 424242 is not in"):
         wait_for(engine, 424242, timeout=1, table=table)
@@ -180,7 +234,7 @@ async def test_wait_for_async_returns_the_result_a_real_worker_stored(
 
 
 @pytest.mark.anyio
-async def test_wait_for_async_raises_for_failed_cancelled_and_unknown_jobs(
+async def test_wait_for_async_raises_for_failed_cancelled_and_unknown_jobs_archived_or_not(
     engine: Engine, async_engine: AsyncEngine, table: Table
 ) -> None:
     failed = enqueue(engine, table, max_attempts=1)
@@ -194,6 +248,14 @@ async def test_wait_for_async_raises_for_failed_cancelled_and_unknown_jobs(
         await wait_for_async(async_engine, cancelled, timeout=0, table=table)
     with pytest.raises(LookupError):
         await wait_for_async(async_engine, 424242, timeout=0, table=table)
+    done = enqueue(engine, table)
+    finish(engine, table, lambda i, a: statements.complete(table, i, a, result=[3]))
+    assert archive_all(engine, table) == 3
+    assert await wait_for_async(async_engine, done, timeout=0, table=table) == [3]
+    with pytest.raises(JobFailed, match="boom"):
+        await wait_for_async(async_engine, failed, timeout=0, table=table)
+    with pytest.raises(JobCancelled):
+        await wait_for_async(async_engine, cancelled, timeout=0, table=table)
     queued = enqueue(engine, table)
     with pytest.raises(TimeoutError):
         await wait_for_async(async_engine, queued, timeout=0.2, table=table)
