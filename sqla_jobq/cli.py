@@ -134,6 +134,19 @@ def parse_duration(text: str) -> timedelta:
     return timedelta(seconds=float(match[1]) * _UNITS[match[2]])
 
 
+def parse_archive_after(text: str) -> timedelta | None:
+    """A duration `parse_duration` takes, or `never` (None: keep done jobs)."""
+    if text.strip().lower() == "never":
+        return None
+    try:
+        return parse_duration(text)
+    except UsageError:
+        raise UsageError(
+            f"bad --archive-after {text!r}: use a duration (e.g. 60s, 15m, 7d; 0: as soon "
+            "as possible) or never"
+        ) from None
+
+
 def parse_payload(text: str) -> Any:
     def refuse(token: str) -> Any:
         raise ValueError(f"{token} is not JSON")
@@ -520,6 +533,14 @@ def worker(
             "this many dead tuples; needs the table's owner; 0: leave it to autovacuum.",
         ),
     ] = 20_000,
+    archive_after: Annotated[
+        str,
+        typer.Option(
+            envvar="JOBQ_ARCHIVE_AFTER",
+            help="Move done jobs finished this long ago to TABLE_archive, in batches, in "
+            "the background (e.g. 60s, 1h; 0: as soon as possible; never: keep them).",
+        ),
+    ] = "60s",
     log_level: Annotated[
         str, typer.Option(envvar="JOBQ_LOG_LEVEL", help="DEBUG, INFO, WARNING.")
     ] = "INFO",
@@ -557,6 +578,7 @@ def worker(
     from .threads import hand_the_gil_over_sooner
     from .worker import Worker, WorkerOptions
 
+    archive_age = parse_archive_after(archive_after)
     level = logging.getLevelName(log_level.upper())
     if not isinstance(level, int):
         raise UsageError(f"unknown --log-level {log_level!r}: use DEBUG, INFO, WARNING or ERROR")
@@ -577,6 +599,7 @@ def worker(
             prefetch=prefetch,
             reconnect=reconnect,
             vacuum_dead_tuples=vacuum_dead_tuples,
+            archive_after=archive_age,
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None

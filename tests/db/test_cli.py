@@ -469,10 +469,55 @@ def test_worker_refuses_bad_options_in_one_line(jobq: Jobq, seeded: list[dict[st
         "concurrency 0": ((app, "--concurrency", "0"), "concurrency must be at least 1, got 0"),
         "negative poll": ((app, "--poll-interval", "-1"), "poll-interval must not be negative"),
         "log level": ((app, "--log-level", "LOUD"), "unknown --log-level 'LOUD'"),
+        "archive-after": ((app, "--archive-after", "banana"), "bad --archive-after 'banana'"),
+        "negative archive-after": ((app, "--archive-after", "-5s"), "bad --archive-after '-5s'"),
         "no such module": (("nosuchmodule:x",), "cannot import module 'nosuchmodule'"),
         "not a Registry": (("json:dumps",), "json:dumps is function, not a sqla_jobq Registry"),
     }
     refused_all(jobq, {k: (("worker", *a), f) for k, (a, f) in cases.items()})
+    refused(
+        jobq("worker", app, env={"JOBQ_ARCHIVE_AFTER": "soon"}),
+        "bad --archive-after 'soon'",
+        "or never",
+    )
+
+
+def test_a_burst_worker_archives_what_earlier_runs_finished_unless_told_never(
+    jobq: Jobq, raw: Raw, table: Table
+) -> None:
+    """A burst run from cron lasts seconds: its pass at start, run to the end
+    before it exits (every batch of it), moves the done jobs earlier runs left
+    (a minute old by default); `--archive-after never` (or JOBQ_ARCHIVE_AFTER)
+    keeps them."""
+    archive = f"{table.name}_archive"
+
+    def history(count: int) -> None:
+        raw.execute(
+            f"INSERT INTO \"{table.name}\" (payload, task, status, attempts, finished_at) "
+            "SELECT '{}', 't', 'done', 1, now() - interval '2 minutes' "
+            "FROM generate_series(1, %s)",
+            (count,),
+        )
+
+    def counts() -> tuple[int, int]:
+        row = raw.execute(
+            f'SELECT (SELECT count(*) FROM "{table.name}"), (SELECT count(*) FROM "{archive}")'
+        ).fetchone()
+        assert row is not None
+        return int(row[0]), int(row[1])
+
+    def burst(*args: str, **env: str) -> str:
+        result = jobq("worker", "workerapp:registry", "--burst", *args, env=env)
+        assert result.returncode == 0, result.stderr
+        return result.stderr
+
+    history(12_000)  # more than a batch: the run must not stop after the first
+    burst(JOBQ_ARCHIVE_AFTER="never")
+    assert counts() == (12_000, 0)
+    burst("--archive-after", "1h")
+    assert counts() == (12_000, 0)
+    assert f"archived 12,000 done jobs of {table.name} in " in burst()
+    assert counts() == (0, 12_000)
 
 
 def test_worker_burst_runs_the_ready_jobs_and_exits_0(

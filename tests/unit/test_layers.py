@@ -35,6 +35,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "joblog",
             "claim_cursor",
             "vacuuming",
+            "archiving",
             "leases",
             "loop_watch",
             "threads",
