@@ -256,6 +256,7 @@ def stats(
     target = parse_table(table)
     with checked(database_url, target) as conn:
         rows = [dict(r._mapping) for r in conn.execute(statements.stats(target))]
+        archived = conn.execute(statements.archive_estimate(target)).first()
         settings = [dict(r._mapping) for r in conn.execute(queue_statements.settings(target))]
         registered = worker_report.collect(conn, target)
     if workers:
@@ -281,7 +282,18 @@ def stats(
         )
     for found in settings:
         typer.echo(_setting_line(found))
+    if archived is not None:
+        typer.echo(_archive_line(names_of(target).archive, archived.rows, archived.bytes))
     typer.echo(f"\n{worker_report.render_text(registered)}")
+
+
+def _archive_line(name: str, rows: int, size: int) -> str:
+    """`archive jobs_archive: about 1,200 jobs, 1.2 MB (estimate)`: the
+    planner's statistics, since counting an archive reads all of it."""
+    on_disk = f"{size / 1024**2:,.1f} MB" if size >= 1024**2 else f"{size / 1024:,.0f} kB"
+    if rows < 0:
+        return f"archive {name}: not analyzed yet, {on_disk}"
+    return f"archive {name}: about {rows:,} jobs, {on_disk} (estimate)"
 
 
 def _setting_line(found: dict[str, Any]) -> str:

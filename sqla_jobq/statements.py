@@ -88,6 +88,7 @@ __all__ = [
     "Position",
     "Queues",
     "archive",
+    "archive_estimate",
     "cancel",
     "claim",
     "claim_columns",
@@ -1132,4 +1133,18 @@ def stats(table: Table) -> Select[Any]:
         )
         .group_by(c.queue, c.status)
         .order_by(c.queue, c.status)
+    )
+
+
+def archive_estimate(table: Table) -> TextualSelect:
+    """The archive's size on disk and the planner's estimate of its rows
+    (`rows` is -1 before it was first analyzed): one catalog row, read in
+    place of a count(*) of a table that only grows."""
+    return (
+        text(
+            "SELECT c.reltuples::bigint AS rows, pg_total_relation_size(c.oid) AS bytes "
+            "FROM pg_class c WHERE c.oid = to_regclass(:qualified)"
+        )
+        .bindparams(qualified=names_of(table).archive_qualified)
+        .columns(rows=BigInteger, bytes=BigInteger)
     )

@@ -14,6 +14,7 @@ import subprocess
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 from typing import Any
 
 import psycopg
@@ -306,6 +307,32 @@ def test_stats_counts_per_queue_and_status_as_text_and_json(
     assert lines[0].split()[:3] == ["queue", "status", "count"]
     assert lines[1].split()[:3] == ["default", "queued", "2"]
     assert lines[2].split() == ["mail", "running", "1", "1"]
+
+
+def test_stats_shows_the_archive_by_estimate_and_counts_only_the_jobs_table(
+    jobq: Jobq, engine: Engine, raw: Raw, table: Table
+) -> None:
+    """Archived jobs are history: the counts per status are the jobs table's
+    (what is queued, running, failed, done lately); the archive gets one line
+    from the planner's statistics, never a count(*) of a table that only grows."""
+    with engine.begin() as conn:
+        ids = client.enqueue_many(conn, table, [NewJob("t") for _ in range(4)])
+    raw.execute(
+        f"UPDATE \"{table.name}\" SET status = 'done', finished_at = now() - interval '1 hour' "
+        "WHERE id = ANY(%s)",
+        (ids[:3],),
+    )
+    lines = ok(jobq("stats")).splitlines()
+    assert f"archive {table.name}_archive: not analyzed yet" in "\n".join(lines)
+    with engine.begin() as conn:
+        conn.execute(statements.archive(table, older_than=timedelta(minutes=1)))
+    raw.execute(f'ANALYZE "{table.name}_archive"')
+    as_json = json.loads(ok(jobq("stats", "--json")))
+    assert [(r["status"], r["count"]) for r in as_json] == [("queued", 1)]
+    text_lines = ok(jobq("stats")).splitlines()
+    assert any(
+        line.startswith(f"archive {table.name}_archive: about 3 jobs") for line in text_lines
+    ), text_lines
 
 
 def test_stats_of_an_empty_table(jobq: Jobq) -> None:
