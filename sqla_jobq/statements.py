@@ -980,7 +980,7 @@ def mark_awaited(table: Table, id: int) -> Update:
     return update(table).where(_id_in(table, active)).values(awaited=marked).returning(c.id)
 
 
-def job_outcome(table: Table, id: int) -> CompoundSelect[Any]:
+def job_outcome(table: Table, id: int, *, archived: bool = True) -> CompoundSelect[Any]:
     """Job `id`'s status, stored result and last error: what a waiter returns
     or raises; no row if there is no such job.
 
@@ -988,13 +988,15 @@ def job_outcome(table: Table, id: int) -> CompoundSelect[Any]:
     snapshot: a finished job moved to the archive (by a worker's
     `archive_after`, or `jobq prune --archive`) is found there, and a job is
     never missed while it moves (it is in exactly one of them). Each side is
-    one primary-key lookup.
+    one primary-key lookup. `archived=False` reads the jobs table alone (for a
+    role without SELECT on the archive).
     """
-    archived = archive_table(MetaData(), table.name, table.schema)
+    tables = [table]
+    if archived:
+        tables.append(archive_table(MetaData(), table.name, table.schema))
     job_id = bindparam("id", id, type_=BigInteger)
     reads = [
-        select(t.c.status, t.c.result, t.c.last_error).where(t.c.id == job_id)
-        for t in (table, archived)
+        select(t.c.status, t.c.result, t.c.last_error).where(t.c.id == job_id) for t in tables
     ]
     return union_all(*reads)
 

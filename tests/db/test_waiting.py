@@ -5,6 +5,7 @@ only awaited jobs send."""
 from __future__ import annotations
 
 import threading
+import uuid
 from collections.abc import AsyncIterator, Callable
 from datetime import timedelta
 from typing import Any
@@ -12,7 +13,8 @@ from typing import Any
 import psycopg
 import pytest
 from psycopg import sql
-from sqlalchemy import Engine, Table
+from sqlalchemy import Engine, Table, create_engine
+from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.pool import NullPool
 
@@ -27,6 +29,7 @@ from sqla_jobq import (
 )
 from sqla_jobq.db import conninfo, sqlalchemy_url
 from sqla_jobq.migrations import check_schema
+from tests.support.faultqueue import drop_role
 from tests.support.inprocess import running
 from tests.support.waiting import wait_until
 
@@ -162,6 +165,29 @@ def test_a_job_archived_while_its_waiter_listens_is_found_in_the_archive(
         assert conn.execute(statements.archive(table, older_than=timedelta(0))).rowcount == 1
     waiter.join(60)
     assert got == ["moved"]
+
+
+def test_a_role_that_may_not_read_the_archive_still_waits_on_the_jobs_table(
+    database_url: str, engine: Engine, table: Table, raw: Raw
+) -> None:
+    """Before archiving by default, an app's role needed no SELECT on the
+    archive. Such a role still gets results from the jobs table; for a job
+    it cannot find, the LookupError says what to grant."""
+    role = f"jobq_noarch_{uuid.uuid4().hex[:8]}"
+    raw.execute(f"CREATE ROLE {role} LOGIN".encode())
+    raw.execute(f'GRANT SELECT, UPDATE ON "{table.name}" TO {role}'.encode())
+    url = make_url(database_url).set(username=role).render_as_string(hide_password=False)
+    limited = create_engine(sqlalchemy_url(url), poolclass=NullPool)
+    try:
+        job_id = enqueue(engine, table)
+        finish(engine, table, lambda i, a: statements.complete(table, i, a, result="here"))
+        assert wait_for(limited, job_id, timeout=0, table=table) == "here"
+        archive_all(engine, table)
+        with pytest.raises(LookupError, match=f"GRANT SELECT ON {table.name}_archive"):
+            wait_for(limited, job_id, timeout=0, table=table)
+    finally:
+        limited.dispose()
+        drop_role(raw, role, owned=True)
 
 
 def test_an_unknown_job_raises_lookup_error(engine: Engine, table: Table) -> None:
