@@ -324,13 +324,24 @@ def prune(
     to_archive: Annotated[
         bool, typer.Option("--archive", help="Move them to TABLE_archive instead of deleting.")
     ] = False,
+    from_archive: Annotated[
+        bool,
+        typer.Option(
+            "--from-archive",
+            help="Delete from TABLE_archive the jobs archived longer ago than --older-than.",
+        ),
+    ] = False,
     database_url: DatabaseUrl = None,
     table: TableName = "jobs",
 ) -> None:
     """Delete (or archive) finished jobs in batches, each batch its own short transaction."""
+    if to_archive and from_archive:
+        raise UsageError("give --archive (move jobs there) or --from-archive (trim it), not both")
     target = parse_table(table)
     age = parse_duration(older_than)
-    build = statements.archive if to_archive else statements.prune
+    build: Callable[..., Any] = statements.archive if to_archive else statements.prune
+    if from_archive:
+        build = statements.prune_archive
     stmt = build(
         target, older_than=age, limit=batch_size, statuses=[s.strip() for s in status.split(",")]
     )
@@ -342,7 +353,8 @@ def prune(
             total += count
             if count < batch_size:
                 break
-    typer.echo(f"archived {total} jobs" if to_archive else f"pruned {total} jobs")
+    done = "archived" if to_archive else "pruned"
+    typer.echo(f"{done} {total} {'archived ' if from_archive else ''}jobs")
 
 
 def _one_job(

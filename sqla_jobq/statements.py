@@ -108,6 +108,7 @@ __all__ = [
     "newest_first",
     "next_run_at",
     "prune",
+    "prune_archive",
     "reap",
     "release",
     "release_many",
@@ -1058,6 +1059,44 @@ def archive(
     )
 
 
+def prune_archive(
+    table: Table,
+    *,
+    older_than: timedelta,
+    limit: int = 10000,
+    statuses: Sequence[str] = FINISHED_STATUSES,
+) -> Delete:
+    """Delete one batch of jobs archived more than `older_than` ago from
+    `<table>_archive`; loop until it deletes fewer than `limit`.
+
+    The archive's own trimming: aged by `archived_at`, which its index
+    serves, in small batches like `prune`. Archived rows never change, so
+    nothing is re-checked.
+    """
+    if older_than < timedelta(0):
+        raise InvalidJob(f"older_than must not be negative, got {older_than}")
+    if limit < 1:
+        raise InvalidJob(f"limit must be at least 1, got {limit}")
+    _check_finished(statuses)
+    archived = archive_table(MetaData(), table.name, table.schema)
+    c = archived.c
+    old = select(c.id).where(
+        c.archived_at < func.now() - bindparam("older_than", older_than, type_=Interval),
+        status_in(c.status, statuses),
+    )
+    victims = old.limit(bindparam("limit", limit, type_=Integer)).scalar_subquery()
+    return archived.delete().where(c.id.in_(victims))
+
+
+def _check_finished(statuses: Sequence[str]) -> None:
+    bad = [s for s in statuses if s not in FINISHED_STATUSES]
+    if bad or not statuses:
+        raise InvalidJob(
+            f"prune and archive take only finished jobs ({', '.join(FINISHED_STATUSES)}), "
+            f"not {bad or 'nothing'}"
+        )
+
+
 def _finished_batch(
     table: Table,
     older_than: timedelta,
@@ -1075,12 +1114,7 @@ def _finished_batch(
     holds is skipped, and a row changed and committed since the snapshot is
     re-tested by the lock itself before it is taken.
     """
-    bad = [s for s in statuses if s not in FINISHED_STATUSES]
-    if bad or not statuses:
-        raise InvalidJob(
-            f"prune and archive take only finished jobs ({', '.join(FINISHED_STATUSES)}), "
-            f"not {bad or 'nothing'}"
-        )
+    _check_finished(statuses)
     if older_than < timedelta(0):
         raise InvalidJob(f"older_than must not be negative, got {older_than}")
     if limit < 1:

@@ -425,6 +425,44 @@ def test_cli_prune_rejects_bad_options_with_one_line_and_writes_nothing(
     assert ids_in(raw, archive_name(table)) == []
 
 
+def test_prune_archive_deletes_only_jobs_archived_long_enough_ago_in_batches(
+    engine: Engine, table: Table, raw: Raw, seeded: Seeded
+) -> None:
+    """The archive is trimmed in turn, by `archived_at` (its index), in
+    batches of short transactions; the jobs table is not touched."""
+    in_batches(engine, statements.archive(table, older_than=timedelta(days=7)))
+    archive = archive_name(table)
+    old = seeded.old_finished[:20]
+    raw.execute(
+        f"UPDATE \"{archive}\" SET archived_at = now() - interval '100 days' "
+        "WHERE id = ANY(%s)".encode(),
+        (old,),
+    )
+    stmt = statements.prune_archive(table, older_than=timedelta(days=90), limit=8)
+    assert in_batches(engine, stmt) == [8, 8, 4, 0]
+    assert ids_in(raw, archive) == seeded.old_finished[20:]
+    assert ids_in(raw, table.name) == seeded.kept
+    with pytest.raises(InvalidJob, match="at least 1"):
+        statements.prune_archive(table, older_than=timedelta(days=1), limit=0)
+
+
+def test_cli_prune_from_archive_trims_the_archive_and_prints_the_total(
+    database_url: str, engine: Engine, table: Table, raw: Raw, seeded: Seeded
+) -> None:
+    in_batches(engine, statements.archive(table, older_than=timedelta(days=7)))
+    raw.execute(
+        f"UPDATE \"{archive_name(table)}\" SET archived_at = now() - interval '100 days' "
+        "WHERE id = ANY(%s)".encode(),
+        (seeded.old_failed,),
+    )
+    done = _cli(database_url, table, "--from-archive", "--older-than", "90d")
+    assert (done.returncode, done.stdout, done.stderr) == (0, "pruned 4 archived jobs\n", "")
+    assert ids_in(raw, archive_name(table)) == seeded.old_done
+    both = _cli(database_url, table, "--from-archive", "--archive")
+    assert both.returncode == 2 and "not both" in both.stderr
+    assert len(both.stderr.strip().splitlines()) == 1
+
+
 def test_cli_prune_on_a_missing_table_is_a_user_error(database_url: str) -> None:
     done = run_jobq("prune", "--archive", "--database-url", database_url, "--table", "nope_jobs")
     assert done.returncode == 2
