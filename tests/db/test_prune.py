@@ -7,6 +7,7 @@ a job is never in both tables or in neither.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
@@ -336,6 +337,41 @@ def test_a_skipping_batch_locks_only_the_rows_it_takes(
     locks = [n for n in nodes if n["Node Type"] == "LockRows"]
     assert len(locks) == 1 and locks[0]["Actual Rows"] == 50, locks
     assert ids_in(raw, archive_name(table)) == []  # rolled back
+
+
+@pytest.mark.parametrize("build", [statements.prune, statements.archive])
+def test_a_batch_finds_its_rows_by_primary_key_not_by_reading_the_table_again(
+    build: Build, engine: Engine, table: Table, raw: Raw
+) -> None:
+    """What the worker's pass sees at steady state: most done jobs not old
+    enough yet, the old ones scattered. The victims are picked by one scan
+    that stops at the batch size; the DELETE must then take exactly those
+    rows by primary key. Written `id IN (victims)`, PostgreSQL 15 planned a
+    hash semi-join over a second, full scan of the table for every batch:
+    the scene bloat-at-peak measured the archiver's backend at 29 us of CPU
+    a job, more than the claim's."""
+    ids = _enqueue(engine, table, 20_000)
+    _set(raw, table, ids, "status = 'done', attempts = 1, finished_at = now()")
+    _set(raw, table, ids[::10], "finished_at = now() - interval '1 hour'")
+    raw.execute(f'VACUUM ANALYZE "{table.name}"'.encode())
+    stmt = build(table, older_than=timedelta(minutes=1), limit=500, skip_locked=True)
+    with engine.connect() as conn, conn.begin() as tx:
+        compiled = stmt.compile(dialect=conn.dialect)
+        plan = conn.exec_driver_sql(
+            f"EXPLAIN (ANALYZE, FORMAT JSON) {compiled.string}", compiled.params
+        ).scalar_one()
+        tx.rollback()
+    nodes = list(_plan_nodes(plan[0]["Plan"]))
+    scans = [
+        n
+        for n in nodes
+        if n.get("Relation Name") == table.name and n["Node Type"] != "ModifyTable"
+    ]
+    text = json.dumps(plan)
+    assert len(scans) == 2, text  # the victims' scan, and the DELETE's lookups
+    looked_up = [n for n in scans if n["Node Type"] in ("Index Scan", "Bitmap Heap Scan")]
+    assert len(looked_up) == 1 and looked_up[0]["Actual Rows"] == 500, text
+    assert sum(n.get("Actual Rows", 0) for n in scans) == 1000, text
 
 
 def _plan_nodes(node: dict[str, Any]) -> Iterator[dict[str, Any]]:
