@@ -134,6 +134,19 @@ def parse_duration(text: str) -> timedelta:
     return timedelta(seconds=float(match[1]) * _UNITS[match[2]])
 
 
+def parse_archive_after(text: str) -> timedelta | None:
+    """A duration `parse_duration` takes, or `never` (None: keep done jobs)."""
+    if text.strip().lower() == "never":
+        return None
+    try:
+        return parse_duration(text)
+    except UsageError:
+        raise UsageError(
+            f"bad --archive-after {text!r}: use a duration (e.g. 60s, 15m, 7d; 0: as soon "
+            "as possible) or never"
+        ) from None
+
+
 def parse_payload(text: str) -> Any:
     def refuse(token: str) -> Any:
         raise ValueError(f"{token} is not JSON")
@@ -243,6 +256,7 @@ def stats(
     target = parse_table(table)
     with checked(database_url, target) as conn:
         rows = [dict(r._mapping) for r in conn.execute(statements.stats(target))]
+        archived = conn.execute(statements.archive_estimate(target)).first()
         settings = [dict(r._mapping) for r in conn.execute(queue_statements.settings(target))]
         registered = worker_report.collect(conn, target)
     if workers:
@@ -268,7 +282,18 @@ def stats(
         )
     for found in settings:
         typer.echo(_setting_line(found))
+    if archived is not None:
+        typer.echo(_archive_line(names_of(target).archive, archived.rows, archived.bytes))
     typer.echo(f"\n{worker_report.render_text(registered)}")
+
+
+def _archive_line(name: str, rows: int, size: int) -> str:
+    """`archive jobs_archive: about 1,200 jobs, 1.2 MB (estimate)`: the
+    planner's statistics, since counting an archive reads all of it."""
+    on_disk = f"{size / 1024**2:,.1f} MB" if size >= 1024**2 else f"{size / 1024:,.0f} kB"
+    if rows < 0:
+        return f"archive {name}: not analyzed yet, {on_disk}"
+    return f"archive {name}: about {rows:,} jobs, {on_disk} (estimate)"
 
 
 def _setting_line(found: dict[str, Any]) -> str:
@@ -299,13 +324,24 @@ def prune(
     to_archive: Annotated[
         bool, typer.Option("--archive", help="Move them to TABLE_archive instead of deleting.")
     ] = False,
+    from_archive: Annotated[
+        bool,
+        typer.Option(
+            "--from-archive",
+            help="Delete from TABLE_archive the jobs archived longer ago than --older-than.",
+        ),
+    ] = False,
     database_url: DatabaseUrl = None,
     table: TableName = "jobs",
 ) -> None:
     """Delete (or archive) finished jobs in batches, each batch its own short transaction."""
+    if to_archive and from_archive:
+        raise UsageError("give --archive (move jobs there) or --from-archive (trim it), not both")
     target = parse_table(table)
     age = parse_duration(older_than)
-    build = statements.archive if to_archive else statements.prune
+    build: Callable[..., Any] = statements.archive if to_archive else statements.prune
+    if from_archive:
+        build = statements.prune_archive
     stmt = build(
         target, older_than=age, limit=batch_size, statuses=[s.strip() for s in status.split(",")]
     )
@@ -317,7 +353,8 @@ def prune(
             total += count
             if count < batch_size:
                 break
-    typer.echo(f"archived {total} jobs" if to_archive else f"pruned {total} jobs")
+    done = "archived" if to_archive else "pruned"
+    typer.echo(f"{done} {total} {'archived ' if from_archive else ''}jobs")
 
 
 def _one_job(
@@ -520,6 +557,14 @@ def worker(
             "this many dead tuples; needs the table's owner; 0: leave it to autovacuum.",
         ),
     ] = 20_000,
+    archive_after: Annotated[
+        str,
+        typer.Option(
+            envvar="JOBQ_ARCHIVE_AFTER",
+            help="Move done jobs finished this long ago to TABLE_archive, in batches, in "
+            "the background (e.g. 60s, 1h; 0: as soon as possible; never: keep them).",
+        ),
+    ] = "60s",
     log_level: Annotated[
         str, typer.Option(envvar="JOBQ_LOG_LEVEL", help="DEBUG, INFO, WARNING.")
     ] = "INFO",
@@ -557,6 +602,7 @@ def worker(
     from .threads import hand_the_gil_over_sooner
     from .worker import Worker, WorkerOptions
 
+    archive_age = parse_archive_after(archive_after)
     level = logging.getLevelName(log_level.upper())
     if not isinstance(level, int):
         raise UsageError(f"unknown --log-level {log_level!r}: use DEBUG, INFO, WARNING or ERROR")
@@ -577,6 +623,7 @@ def worker(
             prefetch=prefetch,
             reconnect=reconnect,
             vacuum_dead_tuples=vacuum_dead_tuples,
+            archive_after=archive_age,
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None

@@ -116,7 +116,9 @@ def lifecycle_statements(
         "refund": Compiled.of(statements.release_many(table, none, refund=True)),
         "reap": Compiled.of(statements.reap(table)),
         "next_run_at": Compiled.of(statements.next_run_at(table, queue=queue)),
-        "prune": Compiled.of(statements.prune(table, older_than=timedelta(0))),
+        # SKIP LOCKED: it runs on the claimer's connection, whose 200 ms lock
+        # timeout would turn a row someone holds into a failed claim.
+        "prune": Compiled.of(statements.prune(table, older_than=timedelta(0), skip_locked=True)),
         "limited": Compiled.of(queue_statements.limited(table, list(queues))),
     }
     if isinstance(queue, str):

@@ -88,6 +88,7 @@ __all__ = [
     "Position",
     "Queues",
     "archive",
+    "archive_estimate",
     "cancel",
     "claim",
     "claim_columns",
@@ -107,6 +108,7 @@ __all__ = [
     "newest_first",
     "next_run_at",
     "prune",
+    "prune_archive",
     "reap",
     "release",
     "release_many",
@@ -979,12 +981,25 @@ def mark_awaited(table: Table, id: int) -> Update:
     return update(table).where(_id_in(table, active)).values(awaited=marked).returning(c.id)
 
 
-def job_outcome(table: Table, id: int) -> Select[Any]:
-    """Job `id`'s status, stored result and last error: what a waiter returns or raises."""
-    c = table.c
-    return select(c.status, c.result, c.last_error).where(
-        c.id == bindparam("id", id, type_=BigInteger)
-    )
+def job_outcome(table: Table, id: int, *, archived: bool = True) -> CompoundSelect[Any]:
+    """Job `id`'s status, stored result and last error: what a waiter returns
+    or raises; no row if there is no such job.
+
+    It reads the jobs table and `<table>_archive` in one statement, so one
+    snapshot: a finished job moved to the archive (by a worker's
+    `archive_after`, or `jobq prune --archive`) is found there, and a job is
+    never missed while it moves (it is in exactly one of them). Each side is
+    one primary-key lookup. `archived=False` reads the jobs table alone (for a
+    role without SELECT on the archive).
+    """
+    tables = [table]
+    if archived:
+        tables.append(archive_table(MetaData(), table.name, table.schema))
+    job_id = bindparam("id", id, type_=BigInteger)
+    reads = [
+        select(t.c.status, t.c.result, t.c.last_error).where(t.c.id == job_id) for t in tables
+    ]
+    return union_all(*reads)
 
 
 def prune(
@@ -993,14 +1008,15 @@ def prune(
     older_than: timedelta,
     limit: int = 10000,
     statuses: Sequence[str] = FINISHED_STATUSES,
+    skip_locked: bool = False,
 ) -> Delete:
-    """Delete one batch of finished jobs; loop until it deletes nothing.
+    """Delete one batch of finished jobs; loop until it deletes fewer than `limit`.
 
     Small batches keep each transaction short, so pruning itself never holds
     VACUUM back. Rows finished by hand-written SQL that left `finished_at`
-    empty are aged by `created_at`.
+    empty are aged by `created_at`. `skip_locked`: see `archive`.
     """
-    return table.delete().where(_finished_batch(table, older_than, limit, statuses))
+    return table.delete().where(_finished_batch(table, older_than, limit, statuses, skip_locked))
 
 
 def archive(
@@ -1009,18 +1025,27 @@ def archive(
     older_than: timedelta,
     limit: int = 10000,
     statuses: Sequence[str] = FINISHED_STATUSES,
+    skip_locked: bool = False,
 ) -> Insert:
-    """Move one batch of finished jobs to `<table>_archive`; loop until it moves nothing.
+    """Move one batch of finished jobs to `<table>_archive`; loop until it
+    moves fewer than `limit`.
 
     One statement, ``WITH moved AS (DELETE ... RETURNING *) INSERT INTO
     <table>_archive SELECT ... FROM moved``: the delete and the copy commit or
     fail together, so no job is ever in both tables or in neither. Ids are
     kept; `archived_at` takes its default. The row count is the number moved
     (`preserve_rowcount`: SQLAlchemy reports an INSERT's row count only when asked).
+
+    `skip_locked` picks the batch with ``FOR UPDATE SKIP LOCKED``: rows another
+    session holds (another worker's batch, an admin's transaction, a `retry`
+    in progress) are passed by at once and left for a later batch, so several
+    sessions can archive the same table at once without waiting on each
+    other, each job moved by exactly one of them. Without it a batch waits on
+    such a row, then re-checks it (see `_finished_batch`).
     """
     moved = (
         table.delete()
-        .where(_finished_batch(table, older_than, limit, statuses))
+        .where(_finished_batch(table, older_than, limit, statuses, skip_locked))
         .returning(*table.c)
         .cte("moved")
     )
@@ -1034,21 +1059,64 @@ def archive(
     )
 
 
-def _finished_batch(
-    table: Table, older_than: timedelta, limit: int, statuses: Sequence[str]
-) -> ColumnElement[bool]:
-    """`id IN (one batch of old finished jobs)`, and the same test again on the row.
+def prune_archive(
+    table: Table,
+    *,
+    older_than: timedelta,
+    limit: int = 10000,
+    statuses: Sequence[str] = FINISHED_STATUSES,
+) -> Delete:
+    """Delete one batch of jobs archived more than `older_than` ago from
+    `<table>_archive`; loop until it deletes fewer than `limit`.
 
-    The subquery runs once, on its snapshot; the repeated test is what the
-    DELETE re-checks on a row that changed meanwhile (a failed job sent back
-    by `retry`), so a job that is queued again is never pruned or archived.
+    The archive's own trimming: aged by `archived_at`, which its index
+    serves, in small batches like `prune`. Archived rows never change, so
+    nothing is re-checked.
     """
+    if older_than < timedelta(0):
+        raise InvalidJob(f"older_than must not be negative, got {older_than}")
+    if limit < 1:
+        raise InvalidJob(f"limit must be at least 1, got {limit}")
+    _check_finished(statuses)
+    archived = archive_table(MetaData(), table.name, table.schema)
+    c = archived.c
+    old = select(c.id).where(
+        c.archived_at < func.now() - bindparam("older_than", older_than, type_=Interval),
+        status_in(c.status, statuses),
+    )
+    victims = old.limit(bindparam("limit", limit, type_=Integer)).scalar_subquery()
+    # By primary key, as `_finished_batch` does: a semi-join may read the
+    # whole archive for each batch.
+    return archived.delete().where(c.id == any_(func.array(victims, type_=ARRAY(BigInteger))))
+
+
+def _check_finished(statuses: Sequence[str]) -> None:
     bad = [s for s in statuses if s not in FINISHED_STATUSES]
     if bad or not statuses:
         raise InvalidJob(
             f"prune and archive take only finished jobs ({', '.join(FINISHED_STATUSES)}), "
             f"not {bad or 'nothing'}"
         )
+
+
+def _finished_batch(
+    table: Table,
+    older_than: timedelta,
+    limit: int,
+    statuses: Sequence[str],
+    skip_locked: bool = False,
+) -> ColumnElement[bool]:
+    """`id = ANY(ARRAY(one batch of old finished jobs))`, and the same test again on the row.
+
+    The subquery runs once, on its snapshot; the repeated test is what the
+    DELETE re-checks on a row that changed meanwhile (a failed job sent back
+    by `retry`), so a job that is queued again is never pruned or archived.
+    With `skip_locked` the subquery locks its batch as it picks it (`FOR
+    UPDATE SKIP LOCKED` under the LIMIT, as the claim does): a row someone
+    holds is skipped, and a row changed and committed since the snapshot is
+    re-tested by the lock itself before it is taken.
+    """
+    _check_finished(statuses)
     if older_than < timedelta(0):
         raise InvalidJob(f"older_than must not be negative, got {older_than}")
     if limit < 1:
@@ -1060,7 +1128,13 @@ def _finished_batch(
         < func.now() - bindparam("older_than", older_than, type_=Interval),
     )
     victims = select(c.id).where(old_finished).limit(bindparam("limit", limit, type_=Integer))
-    return and_(c.id.in_(victims.scalar_subquery()), old_finished)
+    if skip_locked:
+        victims = victims.with_for_update(skip_locked=True)
+    # An array, not `id IN (victims)`: the rows are then found by primary key.
+    # As a semi-join, PostgreSQL 15 read the whole table a second time for
+    # every batch once most done jobs were too young to move.
+    ids = func.array(victims.scalar_subquery(), type_=ARRAY(BigInteger))
+    return and_(c.id == any_(ids), old_finished)
 
 
 def next_run_at(
@@ -1101,4 +1175,18 @@ def stats(table: Table) -> Select[Any]:
         )
         .group_by(c.queue, c.status)
         .order_by(c.queue, c.status)
+    )
+
+
+def archive_estimate(table: Table) -> TextualSelect:
+    """The archive's size on disk and the planner's estimate of its rows
+    (`rows` is -1 before it was first analyzed): one catalog row, read in
+    place of a count(*) of a table that only grows."""
+    return (
+        text(
+            "SELECT c.reltuples::bigint AS rows, pg_total_relation_size(c.oid) AS bytes "
+            "FROM pg_class c WHERE c.oid = to_regclass(:qualified)"
+        )
+        .bindparams(qualified=names_of(table).archive_qualified)
+        .columns(rows=BigInteger, bytes=BigInteger)
     )

@@ -20,12 +20,13 @@ from typing import Any
 import psycopg
 from psycopg import sql
 from sqlalchemy import Engine, Row, Table
+from sqlalchemy.exc import ProgrammingError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from . import statements
 from .job import JobCancelled
 from .migrations.check import check_schema
-from .schema import default_jobs
+from .schema import default_jobs, names_of
 from .statements import FINISHED_STATUSES
 
 __all__ = ["JobFailed", "wait_for", "wait_for_async"]
@@ -57,19 +58,38 @@ class _Wait:
         self.marked = False
         self.status = "queued"
         self.finished = f"#finished {job_id}"
+        self.archived = True  # read the archive too (see `refused`)
 
     def queries(self) -> list[Any]:
         """What to run on this round: the mark until it took, then the read."""
-        read = statements.job_outcome(self.table, self.job_id)
+        read = statements.job_outcome(self.table, self.job_id, archived=self.archived)
         return [read] if self.marked else [statements.mark_awaited(self.table, self.job_id), read]
+
+    def refused(self, exc: ProgrammingError) -> bool:
+        """True if the read was refused for the archive alone: a role that
+        may read the jobs table and not its archive (grants made before
+        workers archived by default) then waits on the jobs table, as before."""
+        orig = exc.orig
+        denied = isinstance(orig, psycopg.errors.InsufficientPrivilege)
+        if not (denied and self.archived and names_of(self.table).archive in str(orig)):
+            return False
+        self.archived = False
+        return True
 
     def learn(self, rows: list[Row[Any] | None]) -> Row[Any] | None:
         """The job's row if it has ended (LookupError if there is none)."""
         *mark, row = rows
         self.marked = self.marked or (bool(mark) and mark[0] is not None)
         if row is None:
+            where = self.table.name if self.archived else f"{self.table.name} (nor, maybe, in "
+            unread = (
+                ""
+                if self.archived
+                else f"{names_of(self.table).archive}, which this role may not read: GRANT "
+                f"SELECT ON {names_of(self.table).archive} TO it)"
+            )
             raise LookupError(
-                f"job {self.job_id} is not in {self.table.name} "
+                f"job {self.job_id} is not in {where}{unread} "
                 "(never enqueued, not committed yet, or pruned)"
             )
         self.status = row.status
@@ -119,7 +139,12 @@ def wait_for(engine: Engine, job_id: int, *, timeout: float, table: Table | None
         listener.execute(_listen_command(channel))
         while True:
             with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-                row = wait.learn([conn.execute(s).first() for s in wait.queries()])
+                try:
+                    row = wait.learn([conn.execute(s).first() for s in wait.queries()])
+                except ProgrammingError as exc:
+                    if wait.refused(exc):
+                        continue
+                    raise
             if row is not None:
                 return _result(job_id, row)
             # Closed at once: the generator holds the connection's lock.
@@ -148,7 +173,12 @@ async def wait_for_async(
         while True:
             async with engine.connect() as conn:
                 auto = await conn.execution_options(isolation_level="AUTOCOMMIT")
-                row = wait.learn([(await auto.execute(s)).first() for s in wait.queries()])
+                try:
+                    row = wait.learn([(await auto.execute(s)).first() for s in wait.queries()])
+                except ProgrammingError as exc:
+                    if wait.refused(exc):
+                        continue
+                    raise
             if row is not None:
                 return _result(job_id, row)
             async with aclosing(listener.notifies(timeout=wait.next_sleep())) as notes:

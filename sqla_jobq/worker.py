@@ -38,6 +38,7 @@ import psycopg
 from sqlalchemy import create_engine
 from sqlalchemy.pool import NullPool
 
+from .archiving import Archiver
 from .attempt import Attempt, Cancel, Key, Outcome, State
 from .capture import Captured
 from .claim_cursor import ClaimCursor
@@ -98,6 +99,12 @@ LAZY_RECONNECT_POLL = 60.0
 # Two to three seconds of dead tuples at full speed on a small machine (two
 # per job); autovacuum's own threshold on the table is 5,000 (schema step 6).
 DEFAULT_VACUUM_DEAD_TUPLES = 20_000
+# Done jobs move to the archive once finished this long (see `archiving`):
+# Oban's pruner default. Long enough for whoever looks right after a job
+# (the dashboard, a log line's id) to find it in the jobs table, and `wait_for`
+# and the dashboard read the archive anyway; short enough that the jobs
+# table holds about a minute of throughput, whatever the history.
+DEFAULT_ARCHIVE_AFTER = timedelta(seconds=60)
 
 
 @dataclass(frozen=True)
@@ -124,6 +131,9 @@ class WorkerOptions:
     # VACUUM the queue table once it has this many dead tuples (see
     # `vacuuming`); 0 leaves it to autovacuum alone.
     vacuum_dead_tuples: int = DEFAULT_VACUUM_DEAD_TUPLES
+    # Move `done` jobs finished this long ago to `<table>_archive`, in the
+    # background (see `archiving`); None keeps them in the jobs table.
+    archive_after: timedelta | None = DEFAULT_ARCHIVE_AFTER
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
@@ -136,6 +146,8 @@ class WorkerOptions:
         for what in ("poll_interval", "shutdown_timeout", "reap_interval", "prune_interval"):
             if getattr(self, what) < 0:
                 raise ValueError(f"{what.replace('_', '-')} must not be negative")
+        if self.archive_after is not None and self.archive_after < timedelta(0):
+            raise ValueError(f"archive-after must not be negative, got {self.archive_after}")
         if self.reconnect not in (None, "eager", "lazy"):
             raise ValueError(f"reconnect must be eager or lazy, got {self.reconnect!r}")
 
@@ -206,6 +218,13 @@ class Worker:
             options.database_url, registry.table, options.vacuum_dead_tuples, options.prepared
         )
         self.vacuum_seen = 0  # `processed` at the last look at the dead tuples
+        self.archiver = Archiver(
+            options.database_url,
+            registry.table,
+            options.archive_after,
+            options.prepared,
+            lambda: self.processed,
+        )
         self.cursor = ClaimCursor(enabled=len(self.queues) == 1)
         self.sweeper = self._driver()  # connects on its first sweep only
         self.sweep: asyncio.Task[None] | None = None
@@ -524,7 +543,11 @@ class Worker:
 
         Riding on the claim loop means an idle worker runs them only when it
         wakes anyway, so maintenance never keeps a serverless compute awake.
+        Archiving runs in a task of its own, started with the first claim, and
+        is as quiet when idle (see `archiving`).
         """
+        if not self.archiver.started:
+            self.archiver.start()
         if self.scheduler is not None and self._fire_due():
             self.next_fire = await self.scheduler.tick(await self.claimer.connection())
         now = time.monotonic()
@@ -930,6 +953,7 @@ class Worker:
     async def _teardown(self, helpers: list[asyncio.Task[None]]) -> None:
         await self.leases.stop()
         await self.vacuumer.stop()
+        await self.archiver.stop(first_pass=self.options.burst)
         jobs = self._jobs()
         for task in [*helpers, *jobs]:
             task.cancel()

@@ -8,6 +8,7 @@ machine is shared and absolute numbers drift.
 """
 
 from .database import (
+    FINISHED_COLUMNS,
     SERVER_URL,
     Bench,
     Outcome,
@@ -20,6 +21,7 @@ from .database import (
     own_backend_pid,
     require_all_done,
     scratch_database,
+    with_archive,
 )
 from .paths import REPO
 from .processes import (
@@ -39,6 +41,7 @@ from .stats import dump_json, median, per_round, percentile, ratio, rotated
 
 __all__ = [
     "CLK_TCK",
+    "FINISHED_COLUMNS",
     "PAGE",
     "REPO",
     "SERVER_URL",
@@ -67,5 +70,6 @@ __all__ = [
     "rotated",
     "run_children",
     "scratch_database",
+    "with_archive",
     "worker_command",
 ]

@@ -104,7 +104,7 @@ def fill(bench: Bench, count: int, *, task: str = "noop", table: str = "jobs") -
     checkpoint falling inside one contender's run would cost it alone).
     """
     with bench.connect() as conn:
-        conn.execute(f"TRUNCATE {table}")
+        conn.execute(f"TRUNCATE {table}, {table}_archive")
         insert_ready(conn, count, task=task, table=table)
         conn.execute(f"VACUUM ANALYZE {table}")
         conn.execute("CHECKPOINT")
@@ -134,11 +134,27 @@ class Outcome:
         return self.done_once / self.seconds if self.seconds > 0 else 0.0
 
 
+def with_archive(table: str = "jobs", columns: str = "*") -> str:
+    """The jobs table and its archive as one relation (for FROM): workers move
+    done jobs there after `--archive-after` (60 s by default), and a drain or a
+    scene read back from the rows must count them."""
+    return (
+        f"(SELECT {columns} FROM {table} "
+        f"UNION ALL SELECT {columns} FROM {table}_archive) AS {table}"
+    )
+
+
+FINISHED_COLUMNS = (
+    "id, status, attempts, max_attempts, created_at, started_at, finished_at"
+)
+
+
 def outcome(bench: Bench, table: str = "jobs") -> Outcome:
     with bench.connect() as conn:
         row = conn.execute(
             "SELECT count(*), count(*) FILTER (WHERE status = 'done' AND attempts = 1), "
-            f"extract(epoch FROM max(finished_at) - min(started_at)) FROM {table}"
+            "extract(epoch FROM max(finished_at) - min(started_at)) "
+            f"FROM {with_archive(table, FINISHED_COLUMNS)}"
         ).fetchone()
     assert row is not None
     return Outcome(int(row[0]), int(row[1]), float(row[2] or 0.0))

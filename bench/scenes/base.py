@@ -142,7 +142,7 @@ def saturated_rate(cluster: Cluster, jobs_count: int, concurrency: int = 8) -> f
     o = common.outcome(bench)
     common.require_all_done(o, "saturation drain")
     with cluster.connect() as conn:
-        conn.execute("TRUNCATE jobs")
+        conn.execute("TRUNCATE jobs, jobs_archive")
     return o.rate
 
 
@@ -227,6 +227,8 @@ class Sample:
     autoanalyzes: int
     queued: int
     indexes: dict[str, int]
+    archive_bytes: int = 0  # heap + indexes + TOAST of jobs_archive
+    archived: int = 0  # rows inserted into jobs_archive (statistics, about a second late)
 
 
 def sample(conn: psycopg.Connection[Any], t: float) -> Sample:
@@ -234,7 +236,10 @@ def sample(conn: psycopg.Connection[Any], t: float) -> Sample:
         """
         SELECT n_live_tup, n_dead_tup, pg_relation_size(relid), pg_indexes_size(relid),
                pg_total_relation_size(relid), autovacuum_count, autoanalyze_count,
-               (SELECT count(*) FROM jobs WHERE status = 'queued')
+               (SELECT count(*) FROM jobs WHERE status = 'queued'),
+               coalesce(pg_total_relation_size(to_regclass('jobs_archive')), 0),
+               coalesce((SELECT n_tup_ins FROM pg_stat_user_tables
+                         WHERE relname = 'jobs_archive'), 0)
         FROM pg_stat_user_tables WHERE relname = 'jobs'
         """
     ).fetchone()
@@ -245,7 +250,7 @@ def sample(conn: psycopg.Connection[Any], t: float) -> Sample:
             "WHERE relname = 'jobs' ORDER BY indexrelname"
         ).fetchall()
     )
-    live, dead, heap, idx, total, vac, an, queued = (int(v) for v in row)
+    live, dead, heap, idx, total, vac, an, queued, archive, archived = (int(v) for v in row)
     return Sample(
         t,
         live,
@@ -257,6 +262,8 @@ def sample(conn: psycopg.Connection[Any], t: float) -> Sample:
         an,
         queued,
         {str(k): int(v) for k, v in indexes.items()},
+        archive,
+        archived,
     )
 
 
@@ -320,7 +327,9 @@ def buckets(
                    1000 * percentile_cont(0.99) WITHIN GROUP (ORDER BY extract(
                        epoch FROM coalesce(started_at, to_timestamp(%(end)s)) - created_at)),
                    count(*) FILTER (WHERE started_at IS NULL)
-            FROM jobs WHERE created_at >= to_timestamp(%(e)s) GROUP BY 1
+            FROM """
+            + common.with_archive("jobs", common.FINISHED_COLUMNS)
+            + """ WHERE created_at >= to_timestamp(%(e)s) GROUP BY 1
             """,
             {"e": epoch0, "w": every, "end": epoch0 + seconds},
         ).fetchall()
@@ -330,7 +339,9 @@ def buckets(
         for b, n in conn.execute(
             """
             SELECT floor((extract(epoch FROM finished_at) - %(e)s) / %(w)s), count(*)
-            FROM jobs WHERE finished_at >= to_timestamp(%(e)s) GROUP BY 1
+            FROM """
+            + common.with_archive("jobs", common.FINISHED_COLUMNS)
+            + """ WHERE finished_at >= to_timestamp(%(e)s) GROUP BY 1
             """,
             {"e": epoch0, "w": every},
         ).fetchall()

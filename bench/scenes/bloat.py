@@ -5,8 +5,11 @@ On a throwaway cluster (autovacuum on, default settings), one `jobq worker -c 8
 works no-op jobs for 3 minutes while a producer tops the queue back up to
 about 4,000 ready jobs every 20 ms (INSERTs of 1,000). Every 10 s: jobs
 completed, `n_dead_tup`, live tuples, heap, index and total size of the jobs
-table, autovacuum runs. At the end: the peak of dead tuples, and whether the
-size levels off (growth over the last third of the run against the first).
+table, autovacuum runs, and the archive (`jobs_archive`, where the worker
+moves done jobs after `--archive-after`, 60 s by default): its size and the
+rows moved into it. At the end: the peak of dead tuples, and whether the
+jobs table's size levels off (growth over the last third of the run against
+the first).
 
 `--minutes` scales the run (0.1 for a smoke run of about 25 s).
 """
@@ -67,12 +70,16 @@ def run(minutes: float, log: Any, worker_args: list[str] | None = None) -> dict[
             rows = base.buckets(conn, epoch0, total, every)
             row = conn.execute("SELECT count(*) FROM jobs WHERE status = 'done'").fetchone()
             done_total = int(row[0]) if row else 0
-    return summarize(settings, sampler.samples, rows, every, extra, done_total, dict(sent))
+            row = conn.execute("SELECT count(*) FROM jobs_archive").fetchone()
+            archived_total = int(row[0]) if row else 0
+    result = summarize(settings, sampler.samples, rows, every, extra, done_total, dict(sent))
+    result["archived_rows_at_end"] = archived_total
+    return result
 
 
 HEADER = (
     f"{'t s':>5} {'queued':>7} {'live':>9} {'dead':>9} {'heap MB':>8} {'idx MB':>7} "
-    f"{'total MB':>8} {'autovac':>7}"
+    f"{'total MB':>8} {'autovac':>7} {'archived':>10} {'arch MB':>8}"
 )
 
 
@@ -80,7 +87,8 @@ def _line(s: base.Sample) -> str:
     return (
         f"{s.t:>5.0f} {s.queued:>7,} {s.n_live_tup:>9,} {s.n_dead_tup:>9,} "
         f"{base.mb(s.table_bytes):>8} {base.mb(s.index_bytes):>7} "
-        f"{base.mb(s.total_bytes):>8} {s.autovacuums:>7}"
+        f"{base.mb(s.total_bytes):>8} {s.autovacuums:>7} {s.archived:>10,} "
+        f"{base.mb(s.archive_bytes):>8}"
     )
 
 
@@ -137,14 +145,15 @@ def summarize(
 def report(r: dict[str, Any]) -> str:
     lines = [
         f"{'t s':>5} {'done/s':>8} {'dead':>9} {'live':>9} {'heap MB':>8} {'idx MB':>7} "
-        f"{'total MB':>8} {'autovac':>7}"
+        f"{'total MB':>8} {'autovac':>7} {'archived':>10} {'arch MB':>8}"
     ]
     for b in r["buckets"]:
         lines.append(
             f"{b['t']:>5.0f} {b['completed'] / b['seconds']:>8,.0f} {b.get('n_dead_tup', 0):>9,} "
             f"{b.get('n_live_tup', 0):>9,} {base.mb(b.get('table_bytes', 0)):>8} "
             f"{base.mb(b.get('index_bytes', 0)):>7} {base.mb(b.get('total_bytes', 0)):>8} "
-            f"{b.get('autovacuums', 0):>7}"
+            f"{b.get('autovacuums', 0):>7} {b.get('archived', 0):>10,} "
+            f"{base.mb(b.get('archive_bytes', 0)):>8}"
         )
     f = r["final"]
     idx = ", ".join(f"{k} {base.mb(v)}" for k, v in f.get("indexes", {}).items())
@@ -153,7 +162,9 @@ def report(r: dict[str, Any]) -> str:
         f"{r['peak_dead_tuples']:,}",
         f"at the end: heap {base.mb(f.get('table_bytes', 0))} MB, indexes "
         f"{base.mb(f.get('index_bytes', 0))} MB ({idx}), "
-        f"total {base.mb(f.get('total_bytes', 0))} MB",
+        f"total {base.mb(f.get('total_bytes', 0))} MB; archive "
+        f"{base.mb(f.get('archive_bytes', 0))} MB, {r.get('archived_rows_at_end', 0):,} jobs "
+        f"(done jobs left in the jobs table: {r.get('done_rows_at_end', 0):,})",
         f"total size growth: first third {r['growth_first_third_bytes_per_s'] / base.MB:.2f} MB/s, "
         f"last third {r['growth_last_third_bytes_per_s'] / base.MB:.2f} MB/s: "
         + ("levels off" if r["levels_off"] else "still growing"),

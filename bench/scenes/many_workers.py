@@ -130,7 +130,8 @@ def drained(cluster: base.Cluster, n: int, name: str) -> tuple[float, int]:
                  count(*) FILTER (WHERE status = 'done' AND attempts - (max_attempts - 5) = 1),
                  count(*) FILTER (WHERE attempts > 1),
                  extract(epoch FROM max(finished_at) - min(started_at))
-               FROM jobs"""
+               FROM """
+            + common.with_archive("jobs", common.FINISHED_COLUMNS)
         ).fetchone()
     assert row is not None
     total, done, once, again, seconds = row

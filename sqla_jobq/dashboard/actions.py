@@ -35,6 +35,9 @@ def routes(dashboard: Dashboard) -> list[BaseRoute]:
         row = await run_in_threadpool(store.job, job_id) if job_id < 2**63 else None
         if row is None:
             return HTTPException(404, f"no job {job_id} in {store.table.fullname}")
+        if row.archived_at is not None:
+            what = f"archived ({row.status}, kept as history)"
+            return HTTPException(409, f"job {job_id} is {what}: it cannot be {action}")
         return HTTPException(409, f"job {job_id} is {row.status}: it cannot be {action}")
 
     async def retry(request: Request) -> Response:

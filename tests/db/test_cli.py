@@ -14,6 +14,7 @@ import subprocess
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 from typing import Any
 
 import psycopg
@@ -308,6 +309,32 @@ def test_stats_counts_per_queue_and_status_as_text_and_json(
     assert lines[2].split() == ["mail", "running", "1", "1"]
 
 
+def test_stats_shows_the_archive_by_estimate_and_counts_only_the_jobs_table(
+    jobq: Jobq, engine: Engine, raw: Raw, table: Table
+) -> None:
+    """Archived jobs are history: the counts per status are the jobs table's
+    (what is queued, running, failed, done lately); the archive gets one line
+    from the planner's statistics, never a count(*) of a table that only grows."""
+    with engine.begin() as conn:
+        ids = client.enqueue_many(conn, table, [NewJob("t") for _ in range(4)])
+    raw.execute(
+        f"UPDATE \"{table.name}\" SET status = 'done', finished_at = now() - interval '1 hour' "
+        "WHERE id = ANY(%s)",
+        (ids[:3],),
+    )
+    lines = ok(jobq("stats")).splitlines()
+    assert f"archive {table.name}_archive: not analyzed yet" in "\n".join(lines)
+    with engine.begin() as conn:
+        conn.execute(statements.archive(table, older_than=timedelta(minutes=1)))
+    raw.execute(f'ANALYZE "{table.name}_archive"')
+    as_json = json.loads(ok(jobq("stats", "--json")))
+    assert [(r["status"], r["count"]) for r in as_json] == [("queued", 1)]
+    text_lines = ok(jobq("stats")).splitlines()
+    assert any(
+        line.startswith(f"archive {table.name}_archive: about 3 jobs") for line in text_lines
+    ), text_lines
+
+
 def test_stats_of_an_empty_table(jobq: Jobq) -> None:
     assert json.loads(ok(jobq("stats", "--json"))) == []
 
@@ -469,10 +496,55 @@ def test_worker_refuses_bad_options_in_one_line(jobq: Jobq, seeded: list[dict[st
         "concurrency 0": ((app, "--concurrency", "0"), "concurrency must be at least 1, got 0"),
         "negative poll": ((app, "--poll-interval", "-1"), "poll-interval must not be negative"),
         "log level": ((app, "--log-level", "LOUD"), "unknown --log-level 'LOUD'"),
+        "archive-after": ((app, "--archive-after", "banana"), "bad --archive-after 'banana'"),
+        "negative archive-after": ((app, "--archive-after", "-5s"), "bad --archive-after '-5s'"),
         "no such module": (("nosuchmodule:x",), "cannot import module 'nosuchmodule'"),
         "not a Registry": (("json:dumps",), "json:dumps is function, not a sqla_jobq Registry"),
     }
     refused_all(jobq, {k: (("worker", *a), f) for k, (a, f) in cases.items()})
+    refused(
+        jobq("worker", app, env={"JOBQ_ARCHIVE_AFTER": "soon"}),
+        "bad --archive-after 'soon'",
+        "or never",
+    )
+
+
+def test_a_burst_worker_archives_what_earlier_runs_finished_unless_told_never(
+    jobq: Jobq, raw: Raw, table: Table
+) -> None:
+    """A burst run from cron lasts seconds: its pass at start, run to the end
+    before it exits (every batch of it), moves the done jobs earlier runs left
+    (a minute old by default); `--archive-after never` (or JOBQ_ARCHIVE_AFTER)
+    keeps them."""
+    archive = f"{table.name}_archive"
+
+    def history(count: int) -> None:
+        raw.execute(
+            f"INSERT INTO \"{table.name}\" (payload, task, status, attempts, finished_at) "
+            "SELECT '{}', 't', 'done', 1, now() - interval '2 minutes' "
+            "FROM generate_series(1, %s)",
+            (count,),
+        )
+
+    def counts() -> tuple[int, int]:
+        row = raw.execute(
+            f'SELECT (SELECT count(*) FROM "{table.name}"), (SELECT count(*) FROM "{archive}")'
+        ).fetchone()
+        assert row is not None
+        return int(row[0]), int(row[1])
+
+    def burst(*args: str, **env: str) -> str:
+        result = jobq("worker", "workerapp:registry", "--burst", *args, env=env)
+        assert result.returncode == 0, result.stderr
+        return result.stderr
+
+    history(12_000)  # more than a batch: the run must not stop after the first
+    burst(JOBQ_ARCHIVE_AFTER="never")
+    assert counts() == (12_000, 0)
+    burst("--archive-after", "1h")
+    assert counts() == (12_000, 0)
+    assert f"archived 12,000 done jobs of {table.name} in " in burst()
+    assert counts() == (0, 12_000)
 
 
 def test_worker_burst_runs_the_ready_jobs_and_exits_0(

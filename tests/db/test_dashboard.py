@@ -28,11 +28,12 @@ from sqlalchemy import Engine, Table
 from starlette.applications import Starlette
 from starlette.routing import Mount
 
-from sqla_jobq import dashboard
+from sqla_jobq import dashboard, statements
 from sqla_jobq.dashboard import queries, store
 from sqla_jobq.dashboard.filters import Cursor, JobFilter
 from sqla_jobq.dashboard.server import APPLICATION_NAME, dashboard_engine
 from sqla_jobq.db import sqlalchemy_url
+from sqla_jobq.statements import FINISHED_STATUSES
 
 pytestmark = pytest.mark.anyio
 
@@ -225,8 +226,28 @@ def test_job_list_walks_the_primary_key_backwards_without_sorting(
             ).scalar_one()
         text = json.dumps(plan)
         assert '"Node Type": "Limit"' in text
-        assert '"Scan Direction": "Backward"' in text and f'"{table.name}_pkey"' in text
-        assert "Seq Scan" not in text and '"Sort"' not in text, text
+        # The list reads the (here empty) archive too; what is asserted of the
+        # jobs table is asserted of its side of the plan. A populated archive's
+        # side: the next test.
+        assert_walks_backwards(plan[0]["Plan"], table.name, f"{table.name}_pkey")
+
+
+def assert_walks_backwards(root: dict[str, Any], relation: str, index: str) -> None:
+    """`relation` is read by one backward scan of `index`, with no Sort above it."""
+
+    def scans(node: dict[str, Any], above: tuple[str, ...]) -> list[tuple[dict[str, Any], bool]]:
+        found = [(node, "Sort" in above)] if node.get("Relation Name") == relation else []
+        for child in node.get("Plans", []):
+            found += scans(child, (*above, node["Node Type"]))
+        return found
+
+    found = scans(root, ())
+    text = json.dumps(root)
+    assert len(found) == 1, text
+    node, sorted_above = found[0]
+    assert node["Node Type"] in ("Index Scan", "Index Only Scan"), text
+    assert (node["Index Name"], node["Scan Direction"]) == (index, "Backward"), text
+    assert not sorted_above, text
 
 
 async def test_job_detail_shows_payload_attempts_times_and_lease(
@@ -252,6 +273,91 @@ async def test_job_detail_shows_payload_attempts_times_and_lease(
     assert "SMTP 451" in page
     assert missing.status_code == 404 and f"no job {job + 1000}" in missing.text
     assert huge.status_code == 404
+
+
+def archive(engine: Engine, table: Table, *statuses: str) -> int:
+    """Move finished jobs to the archive now, as a worker does after `archive_after`."""
+    stmt = statements.archive(
+        table, older_than=timedelta(0), statuses=list(statuses or FINISHED_STATUSES)
+    )
+    with engine.begin() as conn:
+        return conn.execute(stmt).rowcount
+
+
+async def test_dashboard_shows_an_archived_job(engine: Engine, table: Table, add: Add) -> None:
+    """A done job leaves the jobs table after `archive_after`: its page, the
+    list, the overview's last hour and the chart must still show it."""
+    job = add(
+        payload={"order": 7},
+        task="receipt",
+        status="done",
+        attempts=1,
+        started_at=ago(minutes=2, seconds=1),
+        finished_at=ago(minutes=2),
+        result=Jsonb({"sent": 3}),
+    )
+    queued = add(task="receipt")
+    assert archive(engine, table) == 1
+    async with client(dashboard.app(engine, table)) as http:
+        page = await http.get(f"/jobs/{job}")
+        listing = (await http.get("/jobs")).text
+        done = (await http.get("/jobs", params={"status": "done", "task": "receipt"})).text
+        ready = (await http.get("/jobs", params={"status": "ready"})).text
+        overview = (await http.get("/")).text
+    assert page.status_code == 200
+    assert f"Job {job}" in page.text and "1 of 5" in page.text
+    assert re.search(r'<dt>archived</dt><dd id="archived">', page.text)
+    assert '"sent": 3' in html.unescape(page.text) and '"order": 7' in html.unescape(page.text)
+    assert "<button" not in page.text  # history: nothing to retry or cancel
+    assert job_ids(listing) == [queued, job] and job_ids(done) == [job]
+    assert job_ids(ready) == [queued]
+    assert re.search(rf'/jobs/{job}">{job}</a>.*?archived', listing, re.S)
+    assert re.search(r'status=done">1</a>', overview), "done in the last hour"
+    assert "done 1" in overview  # the chart
+
+
+async def test_an_archived_failed_job_is_refused_retry_as_history(
+    engine: Engine, table: Table, add: Add
+) -> None:
+    """`jobq prune --archive` may archive failed jobs: they are shown, not retried."""
+    failed = add(status="failed", attempts=5, last_error="boom", finished_at=ago(days=8))
+    add(queue="other")  # the overview's pause button carries a CSRF token
+    assert archive(engine, table, "failed") == 1
+    async with client(dashboard.app(engine, table)) as http:
+        page = (await http.get(f"/jobs/{failed}")).text
+        token = csrf_of((await http.get("/")).text)
+        retried = await http.post(f"/actions/jobs/{failed}/retry", data={"csrf_token": token})
+    assert "boom" in page and "Retry</button>" not in page
+    assert retried.status_code == 409 and "archived" in retried.text
+
+
+def test_job_list_over_both_tables_walks_each_primary_key_backwards_without_sorting(
+    engine: Engine, table: Table, raw: Raw
+) -> None:
+    """The list reads the jobs table and the archive: each side walks its
+    primary key backwards and stops after a page (a Merge Append under the
+    Limit), so a long archive costs a page view what a short one does."""
+    raw.execute(
+        f'INSERT INTO "{table.name}" (payload, queue, task, status, finished_at, last_error) '
+        "SELECT '{}', 'q' || (i % 3), 't' || (i % 7), "
+        "CASE WHEN i % 10 = 0 THEN 'failed' ELSE 'done' END, now() - interval '1 hour', "
+        "CASE WHEN i % 10 = 0 THEN 'boom ' || i END FROM generate_series(1, 40000) i"
+    )
+    archive(engine, table, "done")
+    raw.execute(f'ANALYZE "{table.name}", "{table.name}_archive"')
+    for flt in (JobFilter(), JobFilter(queue="q1", status="done"), JobFilter(error="boom")):
+        compiled = queries.job_page(table, flt, Cursor(before=30000)).compile(
+            dialect=engine.dialect
+        )
+        with engine.connect() as conn:
+            plan = conn.exec_driver_sql(
+                "EXPLAIN (FORMAT JSON) " + str(compiled), compiled.params
+            ).scalar_one()
+        text = json.dumps(plan)
+        assert '"Node Type": "Limit"' in text and "Merge Append" in text, text
+        for name in (table.name, f"{table.name}_archive"):
+            assert_walks_backwards(plan[0]["Plan"], name, f"{name}_pkey")
+        assert "Seq Scan" not in text and '"Sort"' not in text, text
 
 
 async def test_script_in_payload_task_or_error_renders_as_text(

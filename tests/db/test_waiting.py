@@ -5,13 +5,16 @@ only awaited jobs send."""
 from __future__ import annotations
 
 import threading
+import uuid
 from collections.abc import AsyncIterator, Callable
+from datetime import timedelta
 from typing import Any
 
 import psycopg
 import pytest
 from psycopg import sql
-from sqlalchemy import Engine, Table
+from sqlalchemy import Engine, Table, create_engine
+from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.pool import NullPool
 
@@ -26,6 +29,7 @@ from sqla_jobq import (
 )
 from sqla_jobq.db import conninfo, sqlalchemy_url
 from sqla_jobq.migrations import check_schema
+from tests.support.faultqueue import drop_role
 from tests.support.inprocess import running
 from tests.support.waiting import wait_until
 
@@ -110,6 +114,82 @@ def test_a_cancelled_job_raises_job_cancelled(engine: Engine, table: Table) -> N
         wait_for(engine, job_id, timeout=0, table=table)
 
 
+def archive_all(engine: Engine, table: Table) -> int:
+    """Move every finished job to the archive now, as a worker does after `archive_after`."""
+    with engine.begin() as conn:
+        return conn.execute(statements.archive(table, older_than=timedelta(0))).rowcount
+
+
+def test_result_of_an_archived_job_is_still_returned(engine: Engine, table: Table) -> None:
+    job_id = enqueue(engine, table)
+    finish(engine, table, lambda i, a: statements.complete(table, i, a, result={"n": 1}))
+    assert archive_all(engine, table) == 1
+    assert wait_for(engine, job_id, timeout=0, table=table) == {"n": 1}
+
+
+def test_an_archived_failed_or_cancelled_job_raises_as_it_did_in_the_table(
+    engine: Engine, table: Table
+) -> None:
+    failed = enqueue(engine, table, max_attempts=1)
+    finish(engine, table, lambda i, a: statements.fail(table, i, a, "SMTP 451"))
+    cancelled = enqueue(engine, table)
+    with engine.begin() as conn:
+        conn.execute(statements.cancel(table, cancelled))
+    assert archive_all(engine, table) == 2
+    with pytest.raises(JobFailed, match="SMTP 451") as raised:
+        wait_for(engine, failed, timeout=0, table=table)
+    assert (raised.value.job_id, raised.value.last_error) == (failed, "SMTP 451")
+    with pytest.raises(JobCancelled, match=f"job {cancelled} was cancelled"):
+        wait_for(engine, cancelled, timeout=0, table=table)
+
+
+def test_a_job_archived_while_its_waiter_listens_is_found_in_the_archive(
+    engine: Engine, table: Table, raw: Raw
+) -> None:
+    """The job ends and is moved before the waiter reads it again: the
+    waiter must find it in the archive, not call it unknown."""
+    job_id = enqueue(engine, table)
+    got: list[Any] = []
+    waiter = in_thread(lambda: got.append(wait_for(engine, job_id, timeout=60, table=table)))
+    awaited = f'SELECT awaited FROM "{table.name}" WHERE id = %s'
+    wait_until(lambda: raw.execute(awaited, (job_id,)).fetchone() == (True,), 30, "the mark")
+    with engine.begin() as conn:
+        row = conn.execute(statements.claim(table, limit=1)).one()
+        conn.execute(statements.complete(table, row.id, row.attempts, result="moved"))
+        # finished_at is now(), this transaction's start: age it, so the move
+        # commits with the completion and the waiter never sees the job done
+        # in the jobs table.
+        conn.execute(
+            table.update().values(finished_at=table.c.finished_at - timedelta(seconds=1))
+        )
+        assert conn.execute(statements.archive(table, older_than=timedelta(0))).rowcount == 1
+    waiter.join(60)
+    assert got == ["moved"]
+
+
+def test_a_role_that_may_not_read_the_archive_still_waits_on_the_jobs_table(
+    database_url: str, engine: Engine, table: Table, raw: Raw
+) -> None:
+    """Before archiving by default, an app's role needed no SELECT on the
+    archive. Such a role still gets results from the jobs table; for a job
+    it cannot find, the LookupError says what to grant."""
+    role = f"jobq_noarch_{uuid.uuid4().hex[:8]}"
+    raw.execute(f"CREATE ROLE {role} LOGIN".encode())
+    raw.execute(f'GRANT SELECT, UPDATE ON "{table.name}" TO {role}'.encode())
+    url = make_url(database_url).set(username=role).render_as_string(hide_password=False)
+    limited = create_engine(sqlalchemy_url(url), poolclass=NullPool)
+    try:
+        job_id = enqueue(engine, table)
+        finish(engine, table, lambda i, a: statements.complete(table, i, a, result="here"))
+        assert wait_for(limited, job_id, timeout=0, table=table) == "here"
+        archive_all(engine, table)
+        with pytest.raises(LookupError, match=f"GRANT SELECT ON {table.name}_archive"):
+            wait_for(limited, job_id, timeout=0, table=table)
+    finally:
+        limited.dispose()
+        drop_role(raw, role, owned=True)
+
+
 def test_an_unknown_job_raises_lookup_error(engine: Engine, table: Table) -> None:
     with pytest.raises(LookupError, match="job 424242 is not in"):
         wait_for(engine, 424242, timeout=1, table=table)
@@ -180,7 +260,7 @@ async def test_wait_for_async_returns_the_result_a_real_worker_stored(
 
 
 @pytest.mark.anyio
-async def test_wait_for_async_raises_for_failed_cancelled_and_unknown_jobs(
+async def test_wait_for_async_raises_for_failed_cancelled_and_unknown_jobs_archived_or_not(
     engine: Engine, async_engine: AsyncEngine, table: Table
 ) -> None:
     failed = enqueue(engine, table, max_attempts=1)
@@ -194,6 +274,14 @@ async def test_wait_for_async_raises_for_failed_cancelled_and_unknown_jobs(
         await wait_for_async(async_engine, cancelled, timeout=0, table=table)
     with pytest.raises(LookupError):
         await wait_for_async(async_engine, 424242, timeout=0, table=table)
+    done = enqueue(engine, table)
+    finish(engine, table, lambda i, a: statements.complete(table, i, a, result=[3]))
+    assert archive_all(engine, table) == 3
+    assert await wait_for_async(async_engine, done, timeout=0, table=table) == [3]
+    with pytest.raises(JobFailed, match="boom"):
+        await wait_for_async(async_engine, failed, timeout=0, table=table)
+    with pytest.raises(JobCancelled):
+        await wait_for_async(async_engine, cancelled, timeout=0, table=table)
     queued = enqueue(engine, table)
     with pytest.raises(TimeoutError):
         await wait_for_async(async_engine, queued, timeout=0.2, table=table)

@@ -65,6 +65,38 @@ def test_sigkill_mid_job_loses_nothing(fq: FaultQueue, workers: Workers) -> None
     print(f"reaped {summary.reaped} attempts, {never_started} of them never started")
 
 
+def test_sigkill_while_workers_archive_loses_nothing_and_moves_each_job_once(
+    fq: FaultQueue, workers: Workers
+) -> None:
+    """3,000 jobs, 3 workers archiving done jobs as soon as possible (so
+    each passes every second, all three at once, SKIP LOCKED), a worker
+    SIGKILLed four times, mid-batch or mid-job, and restarted. A killed batch
+    rolls back whole: every job ends done, in exactly one of the two tables,
+    every transition legal; and in the end every one of them is in the
+    archive, once."""
+    rng = random.Random(11)
+    ids = fq.enqueue_work(3000, sleep=0.002, max_attempts=25)
+    env = workers.env(fq, 2.0, JOBQ_ARCHIVE_AFTER="0")
+    fleet = Fleet(workers, fq, 3, *FAST, lease=2.0, env=env)
+    for _ in range(4):
+        threshold = fq.done_count() + rng.randint(200, 500)
+        fleet.run_until(lambda t=threshold: fq.done_count() >= t, 60, "progress between kills")
+        target = rng.choice([w for w in fleet.slots if w.alive()])
+        target.kill(signal.SIGKILL)
+        target.proc.wait(10)
+    fleet.run_until(lambda: fq.done_count() >= len(ids), 120, "all 3,000 jobs done")
+    fq.check_all_done(ids)
+
+    def archived() -> int:
+        return int(fq.sql(f"SELECT count(*) FROM {fq.names.archive_qualified}")[0][0])
+
+    fleet.run_until(lambda: archived() == len(ids), 60, "every done job archived")
+    assert fq.sql(f"SELECT count(*) FROM {fq.qualified}")[0][0] == 0
+    fq.check_all_done(ids)
+    summary = fq.check_audit()
+    assert summary.count[("running", "done")] == len(ids)
+
+
 def test_poison_job_fails_at_max_attempts_others_unaffected(
     fq: FaultQueue, workers: Workers
 ) -> None:

@@ -169,8 +169,18 @@ class FaultQueue:
         return dict(row)
 
     def statuses(self) -> dict[str, int]:
-        rows = self.sql(f"SELECT status, count(*) FROM {self.qualified} GROUP BY status")
+        """Jobs per status, the archived ones (done) included."""
+        rows = self.sql(
+            f"SELECT status, count(*) FROM ({' UNION ALL '.join(self._both('status'))}) s "
+            "GROUP BY status"
+        )
         return {status: count for status, count in rows}
+
+    def _both(self, columns: str) -> list[str]:
+        return [
+            f"SELECT {columns} FROM {name}"
+            for name in (self.qualified, self.names.archive_qualified)
+        ]
 
     def done_count(self) -> int:
         return self.statuses().get("done", 0)
@@ -181,8 +191,16 @@ class FaultQueue:
 
     # -- the proof ----------------------------------------------------------
 
+    def finished_or_not(self, columns: str = "id, status") -> list[Any]:
+        """`columns` of every job, in the jobs table or moved to the archive
+        (workers move done jobs there after `--archive-after`, 60 s by
+        default): one statement, so a job moving meanwhile is seen once."""
+        return self.sql(" UNION ALL ".join(self._both(columns)))
+
     def check_all_done(self, ids: Sequence[int] | None = None) -> None:
-        rows = self.sql(f"SELECT id, status FROM {self.qualified}")
+        rows = self.finished_or_not()
+        ids_seen = [r[0] for r in rows]
+        assert len(ids_seen) == len(set(ids_seen)), "a job is in the jobs table and the archive"
         wanted = set(ids) if ids is not None else {r[0] for r in rows}
         status = dict(rows)
         missing = wanted - status.keys()
@@ -200,10 +218,7 @@ class FaultQueue:
                        new_max, lease_expired, last_error, app
                 FROM {self.audit} ORDER BY seq"""
         )
-        final = {
-            r[0]: (r[1], r[2])
-            for r in self.sql(f"SELECT id, status, attempts FROM {self.qualified}")
-        }
+        final = {r[0]: (r[1], r[2]) for r in self.finished_or_not("id, status, attempts")}
         summary = AuditSummary()
         last: dict[int, tuple[str, int]] = {}
         claimer: dict[tuple[int, int], str] = {}

@@ -36,6 +36,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "claim_cursor",
             "pickup",
             "vacuuming",
+            "archiving",
             "leases",
             "loop_watch",
             "threads",
