@@ -163,7 +163,8 @@ def test_stopping_while_sweeping_leaves_no_job_running_and_no_session_open(
             ).all()
         )
         workers = conn.exec_driver_sql(
-            "SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE 'jobq worker %%'"
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE 'jobq worker %%' "
+            "AND datname = current_database()"
         ).scalar_one()
     assert "running" not in statuses, statuses
     assert statuses.get("done", 0) == len(side.events())
