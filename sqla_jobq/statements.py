@@ -1073,30 +1073,36 @@ def prune_archive(
     serves, in small batches like `prune`. Archived rows never change, so
     nothing is re-checked.
     """
-    if older_than < timedelta(0):
-        raise InvalidJob(f"older_than must not be negative, got {older_than}")
-    if limit < 1:
-        raise InvalidJob(f"limit must be at least 1, got {limit}")
-    _check_finished(statuses)
+    _check_batch(older_than, limit, statuses)
     archived = archive_table(MetaData(), table.name, table.schema)
     c = archived.c
     old = select(c.id).where(
         c.archived_at < func.now() - bindparam("older_than", older_than, type_=Interval),
         status_in(c.status, statuses),
     )
-    victims = old.limit(bindparam("limit", limit, type_=Integer)).scalar_subquery()
-    # By primary key, as `_finished_batch` does: a semi-join may read the
-    # whole archive for each batch.
-    return archived.delete().where(c.id == any_(func.array(victims, type_=ARRAY(BigInteger))))
+    victims = old.limit(bindparam("limit", limit, type_=Integer))
+    return archived.delete().where(_id_among(c.id, victims))
 
 
-def _check_finished(statuses: Sequence[str]) -> None:
+def _id_among(id: ColumnElement[int], victims: Select[Any]) -> ColumnElement[bool]:
+    """`id = ANY(ARRAY(victims))`, not `id IN (victims)`: the rows are then
+    found by primary key. As a semi-join, PostgreSQL 15 read the whole table
+    a second time for every batch once most done jobs were too young to move."""
+    return id == any_(func.array(victims.scalar_subquery(), type_=ARRAY(BigInteger)))
+
+
+def _check_batch(older_than: timedelta, limit: int, statuses: Sequence[str]) -> None:
+    """What every batch of `prune`, `archive` and `prune_archive` requires."""
     bad = [s for s in statuses if s not in FINISHED_STATUSES]
     if bad or not statuses:
         raise InvalidJob(
             f"prune and archive take only finished jobs ({', '.join(FINISHED_STATUSES)}), "
             f"not {bad or 'nothing'}"
         )
+    if older_than < timedelta(0):
+        raise InvalidJob(f"older_than must not be negative, got {older_than}")
+    if limit < 1:
+        raise InvalidJob(f"limit must be at least 1, got {limit}")
 
 
 def _finished_batch(
@@ -1116,11 +1122,7 @@ def _finished_batch(
     holds is skipped, and a row changed and committed since the snapshot is
     re-tested by the lock itself before it is taken.
     """
-    _check_finished(statuses)
-    if older_than < timedelta(0):
-        raise InvalidJob(f"older_than must not be negative, got {older_than}")
-    if limit < 1:
-        raise InvalidJob(f"limit must be at least 1, got {limit}")
+    _check_batch(older_than, limit, statuses)
     c = table.c
     old_finished = and_(
         status_in(c.status, statuses),
@@ -1130,11 +1132,7 @@ def _finished_batch(
     victims = select(c.id).where(old_finished).limit(bindparam("limit", limit, type_=Integer))
     if skip_locked:
         victims = victims.with_for_update(skip_locked=True)
-    # An array, not `id IN (victims)`: the rows are then found by primary key.
-    # As a semi-join, PostgreSQL 15 read the whole table a second time for
-    # every batch once most done jobs were too young to move.
-    ids = func.array(victims.scalar_subquery(), type_=ARRAY(BigInteger))
-    return and_(c.id == any_(ids), old_finished)
+    return and_(_id_among(c.id, victims), old_finished)
 
 
 def next_run_at(
