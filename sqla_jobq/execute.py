@@ -80,16 +80,15 @@ class Runner:
         except Refused as exc:
             return outcome_now(Outcome(error=str(exc)))
         context = contextvars.copy_context()
-        context.run(set_current_job, job)
-        call = self._callable(task, job)
         if task.is_async:
+            context.run(set_current_job, job)
+            call = self._callable(task, job)
             work = functools.partial(_invoke, call)
             if self.in_handler:
                 work = functools.partial(self._observed_async, job, attempt.row, call)
             return lambda: self._outcome(attempt, _on_loop(attempt, context, work()))
-        if self.in_handler:
-            call = functools.partial(self._observed, job, attempt.row, call)
-        return OnThread(self.threads.run(functools.partial(context.run, call)), context)
+        run = self._plain(task, job, attempt.row, context)
+        return OnThread(self.threads.run(run), context)
 
     def start_plain(
         self,
@@ -110,13 +109,20 @@ class Runner:
         if task.is_async:
             return None
         context = base.copy()
+        run = self._plain(task, job, row, context)
+        future: asyncio.Future[Captured] = asyncio.Future(loop=loop)
+        return OnThread(future, context), functools.partial(self.threads.run_here, future, run)
+
+    def _plain(
+        self, task: Task[Any, Any], job: Job, row: dict[str, Any], context: contextvars.Context
+    ) -> Callable[[], object]:
+        """A plain handler's call, inside `context` (the job set there) and
+        every observer's `handler_context`."""
         context.run(set_current_job, job)
         call = self._callable(task, job)
         if self.in_handler:
             call = functools.partial(self._observed, job, row, call)
-        future: asyncio.Future[Captured] = asyncio.Future(loop=loop)
-        run = functools.partial(context.run, call)
-        return OnThread(future, context), functools.partial(self.threads.run_here, future, run)
+        return functools.partial(context.run, call)
 
     def after_thread(
         self, attempt: Attempt, on_thread: OnThread
