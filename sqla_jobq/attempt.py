@@ -108,9 +108,8 @@ class Attempt:
         head_start = (lease - claim_lease).total_seconds() / 3
         key = (row["id"], row["attempts"])
         expires = now + claim_lease.total_seconds()
-        if cancel_event is None:
-            return cls(row, key, lease, now, now - head_start, expires)
-        return cls(row, key, lease, now, now - head_start, expires, cancel_event=cancel_event)
+        signal = cancel_event or CancelSignal()
+        return cls(row, key, lease, now, now - head_start, expires, cancel_event=signal)
 
     @property
     def task_name(self) -> str | None:
