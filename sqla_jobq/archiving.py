@@ -94,9 +94,8 @@ class Archiver:
         self.refused = False
         self.seen: int | None = None  # `finished()` at the last pass; None: pass due
         self.tail_at: float | None = None  # one more pass then, for the last jobs
-        self.passes = 0  # passes that ran to the end
+        self.passes = 0  # passes that ran to the end, and their batches (tests look)
         self.batches = 0
-        self.moved = 0
         self.conn: psycopg.AsyncConnection[Any] | None = None
         self.task: asyncio.Task[None] | None = None
         self.stopping = asyncio.Event()
@@ -105,10 +104,6 @@ class Archiver:
     @property
     def enabled(self) -> bool:
         return self.after is not None and not self.refused
-
-    @property
-    def started(self) -> bool:
-        return self.task is not None
 
     def start(self) -> None:
         """Begin the loop (once; nothing when archiving is off)."""
@@ -201,7 +196,6 @@ class Archiver:
             count = cur.rowcount
             total += count
             self.batches += 1
-            self.moved += count
             if count < BATCH or self.stopping.is_set():
                 break
         self.passes += 1

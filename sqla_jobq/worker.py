@@ -248,6 +248,7 @@ class Worker:
         self.leases.each_tick = LoopWatch(loop, self._async_running).check
         self.leases.start()
         helpers = [asyncio.create_task(self.finisher.run(), name="finisher")]
+        self.archiver.start()
         if not self.options.burst:
             self.pickup = IdlePickup(
                 self.options.database_url,
@@ -543,11 +544,9 @@ class Worker:
 
         Riding on the claim loop means an idle worker runs them only when it
         wakes anyway, so maintenance never keeps a serverless compute awake.
-        Archiving runs in a task of its own, started with the first claim, and
+        Archiving runs in a task of its own (started with the worker), and
         is as quiet when idle (see `archiving`).
         """
-        if not self.archiver.started:
-            self.archiver.start()
         if self.scheduler is not None and self._fire_due():
             self.next_fire = await self.scheduler.tick(await self.claimer.connection())
         now = time.monotonic()
