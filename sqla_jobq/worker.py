@@ -208,6 +208,7 @@ class Worker:
         self.stall_check: asyncio.TimerHandle | None = None
         self.handing_back = 0  # hand-backs in progress (a burst waits for them)
         self.limited = False  # one of our queues has a concurrency limit: no prefetch
+        self.asleep = False  # in `_sleep`: the last claim found the queue drained
         self.last_reap = float("-inf")
         self.last_prune = float("-inf")
         self.job_tasks: set[asyncio.Task[None]] = set()
@@ -409,7 +410,7 @@ class Worker:
                 # Block briefly first: the jobs just started get their handler
                 # threads going while this thread waits, not after the lookup.
                 await asyncio.sleep(HANDOFF_SECONDS)
-            picked = await self._sleep(await self._idle_timeout(empty))
+            picked = await self._sleep(empty)
             while picked is not None and picked.drained and not self.stopping:
                 # The listener's thread claimed for us, and found the queue
                 # drained: so would a claim now. Do what follows a claim, and
@@ -419,13 +420,20 @@ class Worker:
                 except psycopg.Error:
                     break  # the claim that follows meets it too, and backs off
                 await self._presence(self.claimer, self._beat)
-                picked = await self._sleep(await self._idle_timeout(0))
+                picked = await self._sleep(0)
 
-    async def _sleep(self, timeout: float) -> Picked | None:
-        """Wait to be woken; the idle claim the listener's thread made meanwhile, if any."""
+    async def _sleep(self, empty: int) -> Picked | None:
+        """Wait to be woken; the idle claim the listener's thread made meanwhile, if any.
+
+        Armed before the idle timeout is looked up: that is a round trip, and
+        a job announced during it would otherwise wait for the loop."""
         self.last_picked = None
+        self.asleep = True
         self._arm()
-        await self._wait(timeout)
+        try:
+            await self._wait(await self._idle_timeout(empty))
+        finally:
+            self.asleep = False
         await self._disarm()
         picked, self.last_picked = self.last_picked, None
         return picked
@@ -702,7 +710,9 @@ class Worker:
         avg = self.avg_handler
         self.avg_handler = took if avg is None else avg + (took - avg) / 8
         self._dispatch()
-        if not self.event.is_set() and self._room():  # set: the claim loop wakes anyway
+        if self.asleep and not self.limited:
+            self._arm()  # the queue was drained: a free slot finds nothing new
+        elif not self.event.is_set() and self._room():  # set: the claim loop wakes anyway
             self.wake()
         if outcome is None:
             return

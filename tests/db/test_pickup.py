@@ -360,3 +360,55 @@ def test_shutdown_waits_for_a_job_running_on_a_listening_thread_and_records_it(
         run.stop()
         run.join(30)
     assert _done_once(raw, table, job_id)
+
+
+def test_a_handler_finishing_on_a_drained_idle_worker_claims_nothing_more(
+    engine: Engine, table: Table, database_url: str, raw: Raw
+) -> None:
+    """The loop slept because its last claim found the queue drained; a slot
+    freed since finds nothing new there. A claim then is a wasted round trip,
+    with the idle claim disarmed throughout it, so a job announced meanwhile
+    waits for the loop: at 200 jobs a second that was most of them."""
+    side = Side(database_url, f"side_{table.name}")
+    with running(_recording(table, side), database_url, poll_interval=60) as run:
+        wait_until(lambda: run.worker.pickup is not None, 10, "the worker to start listening")
+        time.sleep(0.5)
+        loop_claims: list[int] = []
+        claim = run.worker.claimer.claim
+
+        async def counted(limit: int, after: statements.Position | None = None) -> Any:
+            loop_claims.append(limit)
+            return await claim(limit, after)
+
+        run.worker.claimer.claim = counted  # type: ignore[method-assign]
+        for _ in range(3):
+            job_id = enqueue(engine, table, "where")
+            wait_until(lambda: _done_once(raw, table, job_id), 10, "the job to finish")  # noqa: B023
+            time.sleep(0.2)
+        assert run.worker.pickup is not None and run.worker.pickup.picked >= 3
+    assert loop_claims == []
+
+
+def test_a_job_held_by_its_queues_limit_starts_when_the_running_one_finishes(
+    engine: Engine, table: Table, database_url: str, raw: Raw
+) -> None:
+    """With a concurrency limit, a partial claim does not mean a drained
+    queue: the job left behind waits for the limit, not for a notification,
+    so it must start once the running one finishes, a minute before the poll.
+    (Two paths see to it: the slot freed wakes a limited worker's loop, and
+    the loop, told a job is due now, claims again after a short backoff.)"""
+    registry = Registry(table)
+
+    @registry.task(name="brief")
+    def brief() -> None:
+        time.sleep(0.3)
+
+    with engine.begin() as conn:
+        conn.execute(queue_statements.set_concurrency_limit(table, "default", 1))
+    with running(registry, database_url, concurrency=2, poll_interval=60) as run:
+        wait_until(lambda: run.worker.limited, 10, "the worker to read the limit")
+        time.sleep(0.5)
+        with engine.begin() as conn:  # one commit, one notification
+            first, second = (client.enqueue(conn, table, "brief", {}) for _ in range(2))
+        wait_until(lambda: _done_once(raw, table, first), 10, "the first job")
+        wait_until(lambda: _done_once(raw, table, second), 10, "the second job, after the first")
