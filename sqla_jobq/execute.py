@@ -81,8 +81,7 @@ class Runner:
             return outcome_now(Outcome(error=str(exc)))
         context = contextvars.copy_context()
         if task.is_async:
-            context.run(set_current_job, job)
-            call = self._callable(task, job)
+            call = self._in(context, task, job)
             work = functools.partial(_invoke, call)
             if self.in_handler:
                 work = functools.partial(self._observed_async, job, attempt.row, call)
@@ -118,8 +117,7 @@ class Runner:
     ) -> Callable[[], object]:
         """A plain handler's call, inside `context` (the job set there) and
         every observer's `handler_context`."""
-        context.run(set_current_job, job)
-        call = self._callable(task, job)
+        call = self._in(context, task, job)
         if self.in_handler:
             call = functools.partial(self._observed, job, row, call)
         return functools.partial(context.run, call)
@@ -139,6 +137,14 @@ class Runner:
 
     async def _outcome(self, attempt: Attempt, captured: Awaitable[Captured]) -> Outcome:
         return outcome_of(attempt, await captured)
+
+    def _in(
+        self, context: contextvars.Context, task: Task[Any, Any], job: Job
+    ) -> Callable[[], Any]:
+        """The handler's call, with `current_job()` set to `job` in `context`
+        (which the call must then run in)."""
+        context.run(set_current_job, job)
+        return self._callable(task, job)
 
     def _callable(self, task: Task[Any, Any], job: Job) -> Callable[[], Any]:
         call = functools.partial(task.fn, **job.payload)
