@@ -143,12 +143,15 @@ class IdlePickup:
 
     # -- the loop's side --------------------------------------------------
 
-    def arm(self, limit: int, *, may_start: bool, after: Position | None) -> None:
+    def arm(
+        self, limit: int, *, may_start: bool, after: Position | None, again: bool = False
+    ) -> None:
         """Let the listener's thread claim up to `limit` jobs (past `after`, as
         the loop's next claim would), and start the first there if
-        `may_start` (a slot is free: `limit` may count prefetched jobs)."""
+        `may_start` (a slot is free: `limit` may count prefetched jobs).
+        `again`: only if still armed (the loop asleep, nothing heard yet)."""
         with self.lock:
-            if not self.closed and not self.claiming:
+            if not self.closed and not self.claiming and (self.limit > 0 or not again):
                 self.limit = limit
                 self.may_start = may_start
                 self.after = after

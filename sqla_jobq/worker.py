@@ -208,7 +208,7 @@ class Worker:
         self.stall_check: asyncio.TimerHandle | None = None
         self.handing_back = 0  # hand-backs in progress (a burst waits for them)
         self.limited = False  # one of our queues has a concurrency limit: no prefetch
-        self.asleep = False  # in `_sleep`: the last claim found the queue drained
+        self.drained = False  # the last claim found no more: asleep until the next one
         self.last_reap = float("-inf")
         self.last_prune = float("-inf")
         self.job_tasks: set[asyncio.Task[None]] = set()
@@ -377,6 +377,7 @@ class Worker:
         delay = RETRY_START
         empty = 0  # claims in a row that found nothing
         while not self.stopping:
+            self.drained = False
             want = self._room()
             if want <= 0:
                 await self._wait(None)
@@ -406,6 +407,7 @@ class Worker:
                     continue
                 await self._wait(None)
                 continue
+            self.drained = True
             if rows:
                 # Block briefly first: the jobs just started get their handler
                 # threads going while this thread waits, not after the lookup.
@@ -428,26 +430,23 @@ class Worker:
         Armed before the idle timeout is looked up: that is a round trip, and
         a job announced during it would otherwise wait for the loop."""
         self.last_picked = None
-        self.asleep = True
         self._arm()
-        try:
-            await self._wait(await self._idle_timeout(empty))
-        finally:
-            self.asleep = False
+        await self._wait(await self._idle_timeout(empty))
         await self._disarm()
         picked, self.last_picked = self.last_picked, None
         return picked
 
-    def _arm(self) -> None:
+    def _arm(self, *, again: bool = False) -> None:
         """Going to sleep with free slots: let the listener's thread claim the
         next announced job itself (see `pickup`), where the loop's next claim
-        would start. Not while a sweep is out: its rows are not counted yet."""
+        would start. Not while a sweep is out: its rows are not counted yet.
+        `again`: only update an arming still in place, for a slot freed since."""
         if self.pickup is None or self.stopping or self.sweep is not None:
             return
         room = self._room()
         if room > 0:
             free = len(self.running) + len(self.ready) < self.options.concurrency
-            self.pickup.arm(room, may_start=free, after=self.cursor.after())
+            self.pickup.arm(room, may_start=free, after=self.cursor.after(), again=again)
 
     async def _disarm(self) -> None:
         """Awake: claims are the loop's again; one already made on the
@@ -710,8 +709,8 @@ class Worker:
         avg = self.avg_handler
         self.avg_handler = took if avg is None else avg + (took - avg) / 8
         self._dispatch()
-        if self.asleep and not self.limited:
-            self._arm()  # the queue was drained: a free slot finds nothing new
+        if self.drained and not self.limited:
+            self._arm(again=True)  # a claim for the free slot would find nothing new
         elif not self.event.is_set() and self._room():  # set: the claim loop wakes anyway
             self.wake()
         if outcome is None:
