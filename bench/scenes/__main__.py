@@ -32,7 +32,7 @@ def main() -> int:
         "--worker-arg",
         action="append",
         default=[],
-        help="bloat-at-peak: extra option for the worker (repeatable), "
+        help="bloat-at-peak, held-snapshot: extra option for the worker (repeatable), "
         "e.g. --worker-arg=--prune-older-than=30s",
     )
     parser.add_argument(
@@ -53,7 +53,7 @@ def main() -> int:
     if args.scene == "bloat-at-peak":
         result = bloat.run(args.minutes, log, args.worker_arg)
     elif args.scene == "held-snapshot":
-        result = held_snapshot.run(args.minutes, log, args.offered)
+        result = held_snapshot.run(args.minutes, log, args.offered, args.worker_arg)
     else:
         result = SCENES[args.scene].run(args.minutes, log)
     result["command"] = " ".join(["python -m bench.scenes", *sys.argv[1:]])

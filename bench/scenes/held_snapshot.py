@@ -32,10 +32,17 @@ import psycopg
 from . import base
 
 
-def run(minutes: float, log: Any, offered_rate: float | None = None) -> dict[str, Any]:
+def run(
+    minutes: float,
+    log: Any,
+    offered_rate: float | None = None,
+    worker_args: list[str] | None = None,
+) -> dict[str, Any]:
     """`offered_rate` (jobs/s) replaces half the saturated rate: the same
     absolute load as another run, when comparing two versions of the worker
-    whose saturated rates differ."""
+    whose saturated rates differ. `worker_args` go to the steady worker only
+    (an A/B of one of its options against the same saturated measure)."""
+    extra = worker_args or []
     clean, hold, after = 60 * minutes, 180 * minutes, 180 * minutes
     every = base.SAMPLE_SECONDS if minutes >= 0.5 else 5.0
     sat_jobs = 20_000 if minutes >= 0.5 else 3_000
@@ -54,7 +61,7 @@ def run(minutes: float, log: Any, offered_rate: float | None = None) -> dict[str
             f"scale factor {settings['autovacuum_vacuum_scale_factor']}"
         )
         log(HEADER)
-        with base.workers([base.worker_cmd(cluster.url(), 8)]):
+        with base.workers([base.worker_cmd(cluster.url(), 8, *extra)]):
             time.sleep(2)  # the worker connects and LISTENs
             with cluster.connect() as conn:
                 epoch0 = base.server_epoch(conn)
@@ -86,7 +93,7 @@ def run(minutes: float, log: Any, offered_rate: float | None = None) -> dict[str
             time.sleep(3)  # the worker finishes what it holds
         with cluster.connect() as conn:
             rows = base.buckets(conn, epoch0, total, every)
-    return summarize(
+    result = summarize(
         sat,
         producer.rate,
         producer.late_ticks,
@@ -97,6 +104,8 @@ def run(minutes: float, log: Any, offered_rate: float | None = None) -> dict[str
         hold_end,
         every,
     )
+    result["worker_args"] = extra
+    return result
 
 
 HEADER = (
