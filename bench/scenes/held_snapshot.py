@@ -52,7 +52,8 @@ def run(
         offered = sat / 2 if offered_rate is None else offered_rate
         log(
             f"held snapshot: saturated {sat:,.0f} jobs/s ({sat_jobs:,} jobs, burst -c 8); "
-            f"offering {offered:,.0f} jobs/s; clean {clean:.0f} s, hold {hold:.0f} s, "
+            f"offering {offered:,.0f} jobs/s to worker -c 8 {' '.join(extra)}; "
+            f"clean {clean:.0f} s, hold {hold:.0f} s, "
             f"after {after:.0f} s; samples every {every:.0f} s"
         )
         log(
