@@ -358,3 +358,114 @@ MB = 1024 * 1024
 
 def mb(n: float) -> str:
     return f"{n / MB:.1f}"
+
+
+# --- what the worker waits on ---------------------------------------------------------
+
+WATCH_SECONDS = 0.5
+# pg_stat_activity's wait events of a session flushing or writing WAL: a
+# commit waiting for its fsync, or for another backend's write of it.
+WAL_WAITS = {"WALSync", "WALWrite", "WALInitSync", "WALInitWrite", "WALInsert", "WALBufMapping"}
+
+
+@dataclass
+class Glimpse:
+    t: float  # seconds since the scene's clock started
+    cpu_s: float  # user + system seconds the worker processes have used so far
+    waits: list[str]  # one per active worker session: "CPU", "WAL", or the wait event
+
+
+class Watch(threading.Thread):
+    """Every WATCH_SECONDS: what each active worker session waits on
+    (`pg_stat_activity`) and the worker processes' CPU time (`/proc`), so a
+    stall can be placed: the server's WAL flush, a lock, or the worker itself."""
+
+    def __init__(self, dsn: str, t0: float, pids: Sequence[int]) -> None:
+        super().__init__(daemon=True)
+        self.dsn, self.t0, self.pids = dsn, t0, list(pids)
+        self.glimpses: list[Glimpse] = []
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            while not self.stop.wait(WATCH_SECONDS):
+                rows = conn.execute(
+                    "SELECT wait_event_type, wait_event FROM pg_stat_activity "
+                    "WHERE application_name LIKE 'jobq worker%%' AND state = 'active'"
+                ).fetchall()
+                waits = [_wait_class(kind, event) for kind, event in rows]
+                t = time.monotonic() - self.t0
+                self.glimpses.append(Glimpse(t, sum(map(process_cpu, self.pids)), waits))
+
+
+def _wait_class(kind: str | None, event: str | None) -> str:
+    if event is None:
+        return "CPU"
+    return "WAL" if event in WAL_WAITS else f"{kind}:{event}"
+
+
+def process_cpu(pid: int) -> float:
+    """User + system CPU seconds of a live process and its threads (0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            raw = f.read()
+    except OSError:
+        return 0.0
+    fields = raw[raw.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def watch_summary(glimpses: Sequence[Glimpse], start: float, end: float) -> dict[str, Any]:
+    """Between two times of the scene: the worker processes' CPU in cores,
+    and the share of active worker-session glimpses per wait class."""
+    inside = [g for g in glimpses if start <= g.t < end]
+    if len(inside) < 2:
+        return {"worker_cpu_cores": float("nan"), "waits": {}}
+    first, last = inside[0], inside[-1]
+    cores = (last.cpu_s - first.cpu_s) / (last.t - first.t) if last.t > first.t else float("nan")
+    counts: dict[str, int] = {}
+    for g in inside:
+        for w in g.waits:
+            counts[w] = counts.get(w, 0) + 1
+    total = sum(counts.values()) or 1
+    top = sorted(counts.items(), key=lambda kv: -kv[1])
+    return {"worker_cpu_cores": cores, "waits": {k: v / total for k, v in top}}
+
+
+@dataclass
+class Second:
+    t: int  # seconds since the scene's clock started
+    created: int
+    started: int
+    finished: int
+    pickup_p50_ms: float
+    pickup_p99_ms: float
+
+
+def per_second(conn: psycopg.Connection[Any], epoch0: float) -> list[Second]:
+    """Per second of the scene's clock, read back from the rows: jobs created,
+    started and finished in it, and the pickup of those created in it."""
+    rows = conn.execute(
+        """
+        WITH j AS (SELECT created_at, started_at, finished_at FROM """
+        + common.with_archive("jobs", common.FINISHED_COLUMNS)
+        + """ WHERE created_at >= to_timestamp(%(e)s)),
+        c AS (SELECT floor(extract(epoch FROM created_at) - %(e)s)::int AS s, count(*) AS n,
+                     1000 * percentile_cont(0.5) WITHIN GROUP (
+                         ORDER BY extract(epoch FROM started_at - created_at)) AS p50,
+                     1000 * percentile_cont(0.99) WITHIN GROUP (
+                         ORDER BY extract(epoch FROM started_at - created_at)) AS p99
+              FROM j GROUP BY 1),
+        st AS (SELECT floor(extract(epoch FROM started_at) - %(e)s)::int AS s, count(*) AS n
+               FROM j GROUP BY 1),
+        fi AS (SELECT floor(extract(epoch FROM finished_at) - %(e)s)::int AS s, count(*) AS n
+               FROM j GROUP BY 1)
+        SELECT c.s, c.n, coalesce(st.n, 0), coalesce(fi.n, 0), c.p50, c.p99
+        FROM c LEFT JOIN st USING (s) LEFT JOIN fi USING (s) ORDER BY 1
+        """,
+        {"e": epoch0},
+    ).fetchall()
+    return [
+        Second(int(s), int(n), int(st), int(fi), float(p50 or 0), float(p99 or 0))
+        for s, n, st, fi, p50, p99 in rows
+    ]

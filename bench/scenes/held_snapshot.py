@@ -6,7 +6,9 @@ On a throwaway cluster (autovacuum on, default settings):
    drains 20,000 ready no-op jobs (server clock, first claim to last completion);
 2. the same worker, not in burst mode, works a steady offered load of half
    that rate (20 small INSERT transactions a second);
-3. after a clean minute, another session opens a `REPEATABLE READ`
+3. after a warm-up (70 s: the worker archives done jobs 60 s after they
+   finish, so only then does it do all of its steady work) and a clean
+   minute, another session opens a `REPEATABLE READ`
    transaction, reads one row of the jobs table (which takes its snapshot)
    and holds it for 3 minutes, then commits; the scene goes on for 3 more
    minutes to see it recover.
@@ -43,7 +45,10 @@ def run(
     whose saturated rates differ. `worker_args` go to the steady worker only
     (an A/B of one of its options against the same saturated measure)."""
     extra = worker_args or []
-    clean, hold, after = 60 * minutes, 180 * minutes, 180 * minutes
+    # The warm-up is not part of the clean baseline: before the first done jobs
+    # are old enough to archive (DEFAULT_ARCHIVE_AFTER, 60 s), the worker does
+    # less than it does from then on, through the hold and after it.
+    warm, clean, hold, after = 70 * minutes, 60 * minutes, 180 * minutes, 180 * minutes
     every = base.SAMPLE_SECONDS if minutes >= 0.5 else 5.0
     sat_jobs = 20_000 if minutes >= 0.5 else 3_000
     with base.throwaway_cluster() as cluster:
@@ -53,7 +58,7 @@ def run(
         log(
             f"held snapshot: saturated {sat:,.0f} jobs/s ({sat_jobs:,} jobs, burst -c 8); "
             f"offering {offered:,.0f} jobs/s to worker -c 8 {' '.join(extra)}; "
-            f"clean {clean:.0f} s, hold {hold:.0f} s, "
+            f"warm-up {warm:.0f} s, clean {clean:.0f} s, hold {hold:.0f} s, "
             f"after {after:.0f} s; samples every {every:.0f} s"
         )
         log(
@@ -62,7 +67,7 @@ def run(
             f"scale factor {settings['autovacuum_vacuum_scale_factor']}"
         )
         log(HEADER)
-        with base.workers([base.worker_cmd(cluster.url(), 8, *extra)]):
+        with base.workers([base.worker_cmd(cluster.url(), 8, *extra)]) as procs:
             time.sleep(2)  # the worker connects and LISTENs
             with cluster.connect() as conn:
                 epoch0 = base.server_epoch(conn)
@@ -70,30 +75,32 @@ def run(
             producer = base.SteadyProducer(cluster.dsn(), offered)
             sampler = base.Sampler(cluster.dsn(), t0, every)
             sampler.on_sample = lambda s: log(_live_line(s))
+            watch = base.Watch(cluster.dsn(), t0, [p.pid for p in procs])
             producer.start()
             sampler.start()
+            watch.start()
             holder = psycopg.connect(cluster.dsn())
             try:
-                time.sleep(max(0.0, t0 + clean - time.monotonic()))
+                time.sleep(max(0.0, t0 + warm + clean - time.monotonic()))
                 holder.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
                 holder.execute("SELECT id FROM jobs LIMIT 1").fetchall()
                 hold_start = time.monotonic() - t0
                 log(f"  -- {hold_start:.0f} s: REPEATABLE READ snapshot taken and held")
-                time.sleep(max(0.0, t0 + clean + hold - time.monotonic()))
+                time.sleep(max(0.0, t0 + warm + clean + hold - time.monotonic()))
                 holder.commit()
                 hold_end = time.monotonic() - t0
                 log(f"  -- {hold_end:.0f} s: snapshot released")
-                time.sleep(max(0.0, t0 + clean + hold + after - time.monotonic()))
+                time.sleep(max(0.0, t0 + warm + clean + hold + after - time.monotonic()))
             finally:
                 holder.close()
-                producer.stop.set()
-                sampler.stop.set()
-                producer.join()
-                sampler.join()
+                for thread in (producer, sampler, watch):
+                    thread.stop.set()
+                    thread.join()
             total = time.monotonic() - t0
             time.sleep(3)  # the worker finishes what it holds
         with cluster.connect() as conn:
             rows = base.buckets(conn, epoch0, total, every)
+            seconds = base.per_second(conn, epoch0)
     result = summarize(
         sat,
         producer.rate,
@@ -101,11 +108,19 @@ def run(
         settings,
         sampler.samples,
         rows,
+        warm,
         hold_start,
         hold_end,
         every,
     )
     result["worker_args"] = extra
+    result["watch"] = {
+        "warm": base.watch_summary(watch.glimpses, 0, warm),
+        "clean": base.watch_summary(watch.glimpses, warm, hold_start),
+        "hold": base.watch_summary(watch.glimpses, hold_start, hold_end),
+        "after": base.watch_summary(watch.glimpses, hold_end, total),
+    }
+    result["per_second"] = [asdict(s) for s in seconds]
     return result
 
 
@@ -130,12 +145,15 @@ def summarize(
     settings: dict[str, str],
     samples: list[base.Sample],
     rows: list[base.Bucket],
+    warm: float,
     hold_start: float,
     hold_end: float,
     every: float,
 ) -> dict[str, Any]:
     def phase(start: float) -> str:
         end = start + every
+        if end <= warm:
+            return "warm"
         if end <= hold_start:
             return "clean"
         if start >= hold_end:
@@ -143,8 +161,7 @@ def summarize(
         return "hold" if start >= hold_start and end <= hold_end else "edge"
 
     clean = [b for b in rows if phase(b.start) == "clean"]
-    if len(clean) > 2:
-        clean = clean[1:]  # the first bucket warms up
+    warming = [b for b in rows if phase(b.start) == "warm"][1:]  # its first bucket starts up
     held = [b for b in rows if phase(b.start) == "hold"]
     after = [b for b in rows if phase(b.start) == "after"]
     clean_p99 = statistics.median([b.pickup_p99_ms for b in clean]) if clean else float("nan")
@@ -161,7 +178,7 @@ def summarize(
         if all(x.pickup_p99_ms <= 1.5 * clean_p99 for x in after[i:-1] or [b]):
             latency_back = b.start - hold_end
             break
-    clean_queued = max((s.queued for s in samples if s.t <= hold_start), default=0)
+    clean_queued = max((s.queued for s in samples if warm < s.t <= hold_start), default=0)
     backlog_back = next(
         (
             s.t - hold_end
@@ -170,7 +187,7 @@ def summarize(
         ),
         None,
     )
-    clean_dead = max((s.n_dead_tup for s in samples if s.t <= hold_start), default=0)
+    clean_dead = max((s.n_dead_tup for s in samples if warm < s.t <= hold_start), default=0)
     peak_dead = max((s.n_dead_tup for s in samples), default=0)
     dead_back = next(
         (
@@ -189,6 +206,10 @@ def summarize(
         "saturated_jobs_per_s": sat,
         "offered_jobs_per_s": offered,
         "late_ticks": late,
+        "warm_s": warm,
+        "warm_pickup_p99_ms": statistics.median([b.pickup_p99_ms for b in warming])
+        if warming
+        else float("nan"),
         "hold_start_s": hold_start,
         "hold_end_s": hold_end,
         "clean_pickup_p50_ms": clean_p50,
@@ -235,7 +256,8 @@ def report(r: dict[str, Any]) -> str:
         f"{r['offered_jobs_per_s']:,.0f} jobs/s ({r['late_ticks']} late producer ticks)",
         f"during the hold: completed / offered = {r['hold_completed_over_offered']:.3f} "
         f"(worst 10 s: {r['hold_worst_bucket_completed_over_offered']:.3f})",
-        f"pickup p99: clean {r['clean_pickup_p99_ms']:.1f} ms (p50 "
+        f"pickup p99: warm-up {r.get('warm_pickup_p99_ms', float('nan')):.1f} ms (not in the "
+        f"baseline), clean {r['clean_pickup_p99_ms']:.1f} ms (p50 "
         f"{r['clean_pickup_p50_ms']:.1f}), during the hold max "
         f"{r['hold_pickup_p99_max_ms']:.1f} ms (median of buckets "
         f"{r['hold_pickup_p99_median_ms']:.1f}): {r['hold_p99_over_clean_p99']:.2f}x clean",
@@ -248,4 +270,25 @@ def report(r: dict[str, Any]) -> str:
         f"pickup p99 back within 1.5x clean "
         f"{s(r['latency_recovered_after_release_s'], ' s')} after the release",
     ]
-    return "\n".join(lines)
+    return "\n".join(lines + _watch_lines(r))
+
+
+def _watch_lines(r: dict[str, Any]) -> list[str]:
+    """Where the worker's time went per phase, and the slowest seconds."""
+    lines = []
+    for phase, w in r.get("watch", {}).items():
+        waits = ", ".join(f"{k} {v:.0%}" for k, v in list(w["waits"].items())[:4])
+        lines.append(
+            f"{phase}: worker process {w['worker_cpu_cores']:.2f} cores; its active "
+            f"sessions: {waits or 'none seen'}"
+        )
+    worst = sorted(r.get("per_second", []), key=lambda x: -x["pickup_p99_ms"])[:5]
+    if worst:
+        lines.append(
+            "slowest seconds (t: pickup p99, jobs created / started): "
+            + "; ".join(
+                f"{x['t']} s: {x['pickup_p99_ms']:,.0f} ms, {x['created']:,} / {x['started']:,}"
+                for x in sorted(worst, key=lambda x: x["t"])
+            )
+        )
+    return lines
