@@ -5,9 +5,10 @@ heap, its primary key and every pass of VACUUM grow with the jobs processed,
 not with the work in flight. So, as River's job cleaner and Oban's pruner do
 by default, each worker moves `done` jobs that finished more than
 `archive_after` ago (a minute by default) out of it, with
-`statements.archive(..., statuses=["done"], skip_locked=True)`: one statement
-per batch of at most `BATCH` jobs, each its own transaction, looping until a
-batch comes back short. Moved, not deleted: the archive keeps the history
+`statements.archive_from(..., statuses=["done"], skip_locked=True)`: one
+statement per batch of at most `BATCH` jobs, each its own transaction, each
+starting where the batch before it stopped in the heap, looping until a batch
+comes back short: a pass reads the table once. Moved, not deleted: the archive keeps the history
 (`wait_for` and the dashboard read it), `jobq prune` trims it. Failed and
 cancelled jobs stay, since they are rare and they are what people act on.
 
@@ -38,15 +39,14 @@ import psycopg
 from sqlalchemy import Table
 
 from .db import close_quietly, compiled, connect_kwargs, conninfo
-from .statements import archive
+from .statements import HEAP_START, archive_from
 
 log = logging.getLogger("sqla_jobq.archive")
 
 # Jobs per batch: each batch is one statement, its own transaction, and
 # locks only its rows (done rows, which nothing but another archiver or
 # pruner touches). At about 8 us a job moved (local PostgreSQL 15, 2 cores),
-# a batch takes some 40 ms; the batch is also where the victims' scan
-# restarts, so much smaller batches rescan more.
+# a batch takes some 40 ms.
 BATCH = 5_000
 # Between two passes of a worker that keeps finishing jobs: a done job stays
 # in the jobs table at most `archive_after` plus this. Shorter for a short
@@ -54,7 +54,7 @@ BATCH = 5_000
 # pass leaves a dead row version per job it moved, all at once, until the
 # next VACUUM: at 9,000 jobs/s 5 s of jobs is 45,000 of them (bench.scenes
 # bloat-at-peak), 10 s would double that; each pass also reads the whole
-# heap once (its last, short batch), which a shorter interval repeats.
+# heap once, which a shorter interval repeats.
 INTERVAL = 5.0
 MIN_INTERVAL = 1.0
 # After a pass that failed: the first wait, doubling up to BACKOFF_MAX.
@@ -87,7 +87,7 @@ class Archiver:
         self.finished = finished
         self.qualified = table.fullname
         self.sql, self.params = compiled(
-            archive(table, older_than=timedelta(0), statuses=["done"], skip_locked=True)
+            archive_from(table, older_than=timedelta(0), statuses=["done"], skip_locked=True)
         )
         seconds = 0.0 if after is None else after.total_seconds()
         self.interval = min(INTERVAL, max(MIN_INTERVAL, seconds))
@@ -191,9 +191,11 @@ class Archiver:
         params = {**self.params, "older_than": self.after, "limit": BATCH}
         started = time.monotonic()
         total = 0
-        while True:
-            cur = await conn.execute(self.sql, params)
-            count = cur.rowcount
+        reached: str | None = HEAP_START
+        while reached is not None:
+            cur = await conn.execute(self.sql, {**params, "from_tid": reached})
+            row = await cur.fetchone()
+            count, reached = (int(row[0]), row[1]) if row else (0, None)
             total += count
             self.batches += 1
             if count < BATCH or self.stopping.is_set():

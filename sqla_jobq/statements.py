@@ -64,6 +64,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.sql.dml import ReturningInsert
 from sqlalchemy.sql.elements import BindParameter, Grouping, quoted_name
 from sqlalchemy.sql.functions import Function
+from sqlalchemy.types import UserDefinedType
 
 from .job import (
     MAX_KEY_BYTES,
@@ -1059,6 +1060,55 @@ def archive(
     )
 
 
+class _Tid(UserDefinedType[str]):
+    """PostgreSQL's `tid`: where a row version is stored, (page, item)."""
+
+    cache_ok = True
+
+    def get_col_spec(self, **kw: Any) -> str:
+        return "tid"
+
+
+# Where a heap scan starts: the first item of the first page.
+HEAP_START = "(0,0)"
+
+
+def archive_from(
+    table: Table,
+    *,
+    older_than: timedelta,
+    limit: int = 10000,
+    statuses: Sequence[str] = FINISHED_STATUSES,
+    skip_locked: bool = False,
+) -> Select[int, str]:
+    """`archive`, for a caller that moves a whole table's worth in batches: the
+    batch looks only at rows stored at or past the heap position `from_tid`
+    (`tid` as text, HEAP_START for the first batch) and returns ``(moved,
+    reached)``, how many it moved and where the last of them was stored, the
+    next batch's `from_tid` (NULL when it moved none).
+
+    A plain `archive` batch scans the table from its first page, stepping
+    over the dead versions of every row the batches before it moved; while a
+    snapshot holds them (a long report, a session idle in transaction) they
+    are never cleaned up, and a pass of n batches reads the heap n times. A
+    pass of `archive_from` batches reads it once (a TID Range Scan).
+    Rows stored before the position (a row updated into free space on an
+    earlier page) wait for the next pass, which starts at HEAP_START again.
+    """
+    heap_tid = literal_column("ctid", _Tid())
+    start = cast(bindparam("from_tid", HEAP_START, type_=Text), _Tid())
+    batch = _finished_batch(table, older_than, limit, statuses, skip_locked, heap_tid >= start)
+    moved = (
+        table.delete().where(batch).returning(*table.c, heap_tid.label("heap_tid")).cte("moved")
+    )
+    columns = [c.name for c in table.c]
+    target = archive_table(MetaData(), table.name, table.schema)
+    copied = insert(target).from_select(columns, select(*(moved.c[name] for name in columns)))
+    return select(
+        func.count().label("moved"), cast(func.max(moved.c.heap_tid), Text).label("reached")
+    ).add_cte(copied.cte("copied"))
+
+
 def prune_archive(
     table: Table,
     *,
@@ -1111,6 +1161,7 @@ def _finished_batch(
     limit: int,
     statuses: Sequence[str],
     skip_locked: bool = False,
+    *where: ColumnElement[bool],
 ) -> ColumnElement[bool]:
     """`id = ANY(ARRAY(one batch of old finished jobs))`, and the same test again on the row.
 
@@ -1129,7 +1180,9 @@ def _finished_batch(
         func.coalesce(c.finished_at, c.created_at)
         < func.now() - bindparam("older_than", older_than, type_=Interval),
     )
-    victims = select(c.id).where(old_finished).limit(bindparam("limit", limit, type_=Integer))
+    victims = (
+        select(c.id).where(old_finished, *where).limit(bindparam("limit", limit, type_=Integer))
+    )
     if skip_locked:
         victims = victims.with_for_update(skip_locked=True)
     return and_(_id_among(c.id, victims), old_finished)
