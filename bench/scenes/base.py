@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import statistics
 import subprocess
 import threading
 import time
@@ -134,16 +135,24 @@ def _drop(proc: subprocess.Popen[bytes]) -> None:
         pass
 
 
-def saturated_rate(cluster: Cluster, jobs_count: int, concurrency: int = 8) -> float:
-    """Jobs/s of one burst worker draining `jobs_count` ready no-op jobs (server clock)."""
+def saturated_rate(
+    cluster: Cluster, jobs_count: int, concurrency: int = 8, rounds: int = 3
+) -> float:
+    """Jobs/s of one burst worker draining `jobs_count` ready no-op jobs (server
+    clock), the median of `rounds` drains: one drain of 20,000 jobs measured
+    from 8,459 to 17,561 jobs/s in four runs of the same code on one day, and
+    the offered load of a scene is half of it."""
     bench = cluster.bench()
-    common.fill(bench, jobs_count)
-    common.run_children([worker_cmd(cluster.url(), concurrency, burst=True)], timeout=600)
-    o = common.outcome(bench)
-    common.require_all_done(o, "saturation drain")
+    rates = []
+    for _ in range(rounds):
+        common.fill(bench, jobs_count)
+        common.run_children([worker_cmd(cluster.url(), concurrency, burst=True)], timeout=600)
+        o = common.outcome(bench)
+        common.require_all_done(o, "saturation drain")
+        rates.append(o.rate)
     with cluster.connect() as conn:
         conn.execute("TRUNCATE jobs, jobs_archive")
-    return o.rate
+    return statistics.median(rates)
 
 
 # --- producers -------------------------------------------------------------------

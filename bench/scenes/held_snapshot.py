@@ -3,7 +3,8 @@
 On a throwaway cluster (autovacuum on, default settings):
 
 1. the saturated rate: one `jobq worker -c 8 --burst --log-level WARNING`
-   drains 20,000 ready no-op jobs (server clock, first claim to last completion);
+   drains 20,000 ready no-op jobs (server clock, first claim to last
+   completion), the median of three drains;
 2. the same worker, not in burst mode, works a steady offered load of half
    that rate (20 small INSERT transactions a second);
 3. after a warm-up (70 s: the worker archives done jobs 60 s after they
@@ -56,7 +57,8 @@ def run(
         sat = base.saturated_rate(cluster, sat_jobs)
         offered = sat / 2 if offered_rate is None else offered_rate
         log(
-            f"held snapshot: saturated {sat:,.0f} jobs/s ({sat_jobs:,} jobs, burst -c 8); "
+            f"held snapshot: saturated {sat:,.0f} jobs/s (median of 3 drains of {sat_jobs:,} "
+            "jobs, burst -c 8); "
             f"offering {offered:,.0f} jobs/s to worker -c 8 {' '.join(extra)}; "
             f"warm-up {warm:.0f} s, clean {clean:.0f} s, hold {hold:.0f} s, "
             f"after {after:.0f} s; samples every {every:.0f} s"
