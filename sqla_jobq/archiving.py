@@ -8,9 +8,10 @@ by default, each worker moves `done` jobs that finished more than
 `statements.archive_from(..., statuses=["done"], skip_locked=True)`: one
 statement per batch of at most `BATCH` jobs, each its own transaction, each
 starting where the batch before it stopped in the heap, looping until a batch
-comes back short: a pass reads the table once. Moved, not deleted: the archive keeps the history
-(`wait_for` and the dashboard read it), `jobq prune` trims it. Failed and
-cancelled jobs stay, since they are rare and they are what people act on.
+comes back short: a pass reads the table once. Moved, not deleted: the
+archive keeps the history (`wait_for` and the dashboard read it), `jobq
+prune` trims it. Failed and cancelled jobs stay, since they are rare and
+they are what people act on.
 
 It runs on a connection of its own, in a task of its own, so claims never
 wait for it; `SKIP LOCKED` lets every worker on every host archive at once

@@ -29,6 +29,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import (
+    CTE,
     BigInteger,
     ColumnElement,
     CompoundSelect,
@@ -1050,14 +1051,14 @@ def archive(
         .returning(*table.c)
         .cte("moved")
     )
+    return _copy(table, moved).add_cte(moved).execution_options(preserve_rowcount=True)
+
+
+def _copy(table: Table, moved: CTE) -> Insert:
+    """The rows a DELETE ... RETURNING gave, whole, into `<table>_archive`."""
     target = archive_table(MetaData(), table.name, table.schema)
     columns = [c.name for c in table.c]
-    return (
-        insert(target)
-        .from_select(columns, select(*(moved.c[name] for name in columns)))
-        .add_cte(moved)
-        .execution_options(preserve_rowcount=True)
-    )
+    return insert(target).from_select(columns, select(*(moved.c[name] for name in columns)))
 
 
 class _Tid(UserDefinedType[str]):
@@ -1080,7 +1081,7 @@ def archive_from(
     limit: int = 10000,
     statuses: Sequence[str] = FINISHED_STATUSES,
     skip_locked: bool = False,
-) -> Select[int, str]:
+) -> Select[int, str | None]:
     """`archive`, for a caller that moves a whole table's worth in batches: the
     batch looks only at rows stored at or past the heap position `from_tid`
     (`tid` as text, HEAP_START for the first batch) and returns ``(moved,
@@ -1090,10 +1091,11 @@ def archive_from(
     A plain `archive` batch scans the table from its first page, stepping
     over the dead versions of every row the batches before it moved; while a
     snapshot holds them (a long report, a session idle in transaction) they
-    are never cleaned up, and a pass of n batches reads the heap n times. A
-    pass of `archive_from` batches reads it once (a TID Range Scan).
-    Rows stored before the position (a row updated into free space on an
-    earlier page) wait for the next pass, which starts at HEAP_START again.
+    are never cleaned up, and a pass of n batches steps over them n times. A
+    pass of `archive_from` batches reads the heap once (a TID Range Scan,
+    PostgreSQL 14 and later). Rows stored before the position (a row updated
+    into free space on an earlier page) wait for the next pass, which starts
+    at HEAP_START again.
     """
     heap_tid = literal_column("ctid", _Tid())
     start = cast(bindparam("from_tid", HEAP_START, type_=Text), _Tid())
@@ -1101,12 +1103,9 @@ def archive_from(
     moved = (
         table.delete().where(batch).returning(*table.c, heap_tid.label("heap_tid")).cte("moved")
     )
-    columns = [c.name for c in table.c]
-    target = archive_table(MetaData(), table.name, table.schema)
-    copied = insert(target).from_select(columns, select(*(moved.c[name] for name in columns)))
     return select(
         func.count().label("moved"), cast(func.max(moved.c.heap_tid), Text).label("reached")
-    ).add_cte(copied.cte("copied"))
+    ).add_cte(_copy(table, moved).cte("copied"))
 
 
 def prune_archive(
