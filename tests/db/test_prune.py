@@ -576,3 +576,42 @@ def test_a_resumed_batch_scans_the_heap_from_its_position_not_from_the_first_pag
     victims = [n for n in _plan_nodes(plan[0]["Plan"]) if n["Node Type"] == "Tid Range Scan"]
     assert len(victims) == 1, text
     assert victims[0]["Actual Rows"] == 50, text
+
+
+def test_two_archivers_resuming_their_own_passes_at_once_move_each_job_exactly_once(
+    engine: Engine, table: Table, raw: Raw
+) -> None:
+    """Two workers' archivers, each pass resuming from its own position: a
+    row one of them skips is locked by the other, which moves it. When both
+    passes have ended, every job is in the archive once and none is left."""
+    ids = _old_done(engine, table, raw, 3000)
+    stmt = statements.archive_from(
+        table, older_than=timedelta(minutes=1), limit=100, statuses=["done"], skip_locked=True
+    )
+    start = threading.Barrier(2)
+    moved: list[list[int]] = [[], []]
+    errors: list[BaseException] = []
+
+    def one_pass(mine: list[int]) -> None:
+        try:
+            start.wait(10)
+            reached: str | None = statements.HEAP_START
+            while reached is not None:
+                with engine.begin() as conn:
+                    count, reached = conn.execute(stmt, {"from_tid": reached}).one()
+                mine.append(count)
+                if count < 100:
+                    return
+        except BaseException as exc:  # reported below, not lost on the thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one_pass, args=(m,)) for m in moved]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert all(sum(m) for m in moved), moved  # both took part
+    assert sum(moved[0]) + sum(moved[1]) == len(ids)
+    assert ids_in(raw, table.name) == []
+    assert ids_in(raw, archive_name(table)) == sorted(ids)
