@@ -325,7 +325,7 @@ class Bucket:
 def buckets(
     conn: psycopg.Connection[Any], epoch0: float, seconds: float, every: float = SAMPLE_SECONDS
 ) -> list[Bucket]:
-    """Per 10-second bucket of the scene's clock, read back from the rows."""
+    """Per bucket of `every` seconds of the scene's clock, read back from the rows."""
     made = {
         int(b): (int(n), float(p50 or 0), float(p99 or 0), int(u))
         for b, n, p50, p99, u in conn.execute(
@@ -404,24 +404,14 @@ class Watch(threading.Thread):
                 ).fetchall()
                 waits = [_wait_class(kind, event) for kind, event in rows]
                 t = time.monotonic() - self.t0
-                self.glimpses.append(Glimpse(t, sum(map(process_cpu, self.pids)), waits))
+                cpu = sum(common.proc_cpu(pid) or 0.0 for pid in self.pids)
+                self.glimpses.append(Glimpse(t, cpu, waits))
 
 
 def _wait_class(kind: str | None, event: str | None) -> str:
     if event is None:
         return "CPU"
     return "WAL" if event in WAL_WAITS else f"{kind}:{event}"
-
-
-def process_cpu(pid: int) -> float:
-    """User + system CPU seconds of a live process and its threads (0 once it is gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            raw = f.read()
-    except OSError:
-        return 0.0
-    fields = raw[raw.rindex(")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def watch_summary(glimpses: Sequence[Glimpse], start: float, end: float) -> dict[str, Any]:
@@ -439,42 +429,3 @@ def watch_summary(glimpses: Sequence[Glimpse], start: float, end: float) -> dict
     total = sum(counts.values()) or 1
     top = sorted(counts.items(), key=lambda kv: -kv[1])
     return {"worker_cpu_cores": cores, "waits": {k: v / total for k, v in top}}
-
-
-@dataclass
-class Second:
-    t: int  # seconds since the scene's clock started
-    created: int
-    started: int
-    finished: int
-    pickup_p50_ms: float
-    pickup_p99_ms: float
-
-
-def per_second(conn: psycopg.Connection[Any], epoch0: float) -> list[Second]:
-    """Per second of the scene's clock, read back from the rows: jobs created,
-    started and finished in it, and the pickup of those created in it."""
-    rows = conn.execute(
-        """
-        WITH j AS (SELECT created_at, started_at, finished_at FROM """
-        + common.with_archive("jobs", common.FINISHED_COLUMNS)
-        + """ WHERE created_at >= to_timestamp(%(e)s)),
-        c AS (SELECT floor(extract(epoch FROM created_at) - %(e)s)::int AS s, count(*) AS n,
-                     1000 * percentile_cont(0.5) WITHIN GROUP (
-                         ORDER BY extract(epoch FROM started_at - created_at)) AS p50,
-                     1000 * percentile_cont(0.99) WITHIN GROUP (
-                         ORDER BY extract(epoch FROM started_at - created_at)) AS p99
-              FROM j GROUP BY 1),
-        st AS (SELECT floor(extract(epoch FROM started_at) - %(e)s)::int AS s, count(*) AS n
-               FROM j GROUP BY 1),
-        fi AS (SELECT floor(extract(epoch FROM finished_at) - %(e)s)::int AS s, count(*) AS n
-               FROM j GROUP BY 1)
-        SELECT c.s, c.n, coalesce(st.n, 0), coalesce(fi.n, 0), c.p50, c.p99
-        FROM c LEFT JOIN st USING (s) LEFT JOIN fi USING (s) ORDER BY 1
-        """,
-        {"e": epoch0},
-    ).fetchall()
-    return [
-        Second(int(s), int(n), int(st), int(fi), float(p50 or 0), float(p99 or 0))
-        for s, n, st, fi, p50, p99 in rows
-    ]

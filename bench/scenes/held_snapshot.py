@@ -102,7 +102,7 @@ def run(
             time.sleep(3)  # the worker finishes what it holds
         with cluster.connect() as conn:
             rows = base.buckets(conn, epoch0, total, every)
-            seconds = base.per_second(conn, epoch0)
+            seconds = base.buckets(conn, epoch0, total, 1.0)
     result = summarize(
         sat,
         producer.rate,
@@ -287,10 +287,11 @@ def _watch_lines(r: dict[str, Any]) -> list[str]:
     worst = sorted(r.get("per_second", []), key=lambda x: -x["pickup_p99_ms"])[:5]
     if worst:
         lines.append(
-            "slowest seconds (t: pickup p99, jobs created / started): "
+            "slowest seconds (t: pickup p99, jobs created / finished): "
             + "; ".join(
-                f"{x['t']} s: {x['pickup_p99_ms']:,.0f} ms, {x['created']:,} / {x['started']:,}"
-                for x in sorted(worst, key=lambda x: x["t"])
+                f"{x['start']:.0f} s: {x['pickup_p99_ms']:,.0f} ms, "
+                f"{x['offered']:,} / {x['completed']:,}"
+                for x in sorted(worst, key=lambda x: x["start"])
             )
         )
     return lines
