@@ -192,11 +192,12 @@ class Archiver:
         params = {**self.params, "older_than": self.after, "limit": BATCH}
         started = time.monotonic()
         total = 0
-        reached: str | None = HEAP_START
-        while reached is not None:
+        reached = HEAP_START
+        while True:
             cur = await conn.execute(self.sql, {**params, "from_tid": reached})
             row = await cur.fetchone()
-            count, reached = (int(row[0]), row[1]) if row else (0, None)
+            assert row is not None  # an aggregate: always one row
+            count, reached = row
             total += count
             self.batches += 1
             if count < BATCH or self.stopping.is_set():

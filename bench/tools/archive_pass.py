@@ -25,9 +25,9 @@ from typing import Any
 
 import psycopg
 from sqlalchemy import MetaData
-from sqlalchemy.dialects.postgresql import psycopg as pg_psycopg
 
 from sqla_jobq.archiving import BATCH
+from sqla_jobq.db import compiled
 from sqla_jobq.schema import jobs_table
 from sqla_jobq.statements import HEAP_START, archive, archive_from
 
@@ -37,14 +37,9 @@ Conn = psycopg.Connection[Any]
 OLDER_THAN = timedelta(minutes=1)
 
 
-def _compiled(stmt: Any) -> tuple[str, dict[str, Any]]:
-    done = stmt.compile(dialect=pg_psycopg.dialect())  # type: ignore[no-untyped-call]
-    return done.string, dict(done.params)
-
-
 def from_first_page(conn: Conn, table: str) -> int:
     """The archiver before: every batch scans the table from its first page."""
-    sql, params = _compiled(_build(archive, table))
+    sql, params = compiled(_build(archive, table))
     total = 0
     while (count := conn.execute(sql, params).rowcount) > 0:
         total += count
@@ -55,16 +50,16 @@ def from_first_page(conn: Conn, table: str) -> int:
 
 def resumed(conn: Conn, table: str) -> int:
     """The archiver now: every batch starts where the one before it stopped."""
-    sql, params = _compiled(_build(archive_from, table))
+    sql, params = compiled(_build(archive_from, table))
     total = 0
-    reached: str | None = HEAP_START
-    while reached is not None:
+    reached = HEAP_START
+    while True:
         row = conn.execute(sql, {**params, "from_tid": reached}).fetchone()
-        count, reached = (int(row[0]), row[1]) if row else (0, None)
+        assert row is not None  # an aggregate: always one row
+        count, reached = int(row[0]), row[1]
         total += count
         if count < BATCH:
-            break
-    return total
+            return total
 
 
 def _build(builder: Callable[..., Any], table: str) -> Any:
