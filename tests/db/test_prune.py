@@ -229,6 +229,27 @@ def _archive(table: Table, limit: int) -> Insert:
     )
 
 
+def _at_once(work: Callable[[list[int]], None], each: list[list[int]]) -> None:
+    """`work(mine)` on a thread per list, all started together; an exception
+    on any thread fails the test here, not lost on the thread."""
+    start = threading.Barrier(len(each))
+    errors: list[BaseException] = []
+
+    def run(mine: list[int]) -> None:
+        try:
+            start.wait(10)
+            work(mine)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(m,)) for m in each]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+
+
 def test_two_sessions_archiving_at_once_move_each_job_exactly_once(
     engine: Engine, table: Table, raw: Raw
 ) -> None:
@@ -247,27 +268,16 @@ def test_two_sessions_archiving_at_once_move_each_job_exactly_once(
             assert look.execute(
                 select(func.count()).select_from(archive_table(MetaData(), table.name))
             ).scalar_one() == 100  # B's, committed; A's not yet
-    start = threading.Barrier(2)
     counts: list[list[int]] = [[], []]
-    errors: list[BaseException] = []
 
     def drain(mine: list[int]) -> None:
-        try:
-            start.wait(10)
-            while True:
-                with engine.begin() as conn:
-                    mine.append(conn.execute(stmt).rowcount)
-                if mine[-1] < 100:
-                    return
-        except BaseException as exc:  # reported below, not lost on the thread
-            errors.append(exc)
+        while True:
+            with engine.begin() as conn:
+                mine.append(conn.execute(stmt).rowcount)
+            if mine[-1] < 100:
+                return
 
-    threads = [threading.Thread(target=drain, args=(c,)) for c in counts]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors, errors
+    _at_once(drain, counts)
     assert all(counts), counts  # both took part
     assert 200 + sum(counts[0]) + sum(counts[1]) == len(ids)
     assert ids_in(raw, table.name) == []
@@ -588,29 +598,18 @@ def test_two_archivers_resuming_their_own_passes_at_once_move_each_job_exactly_o
     stmt = statements.archive_from(
         table, older_than=timedelta(minutes=1), limit=100, statuses=["done"], skip_locked=True
     )
-    start = threading.Barrier(2)
     moved: list[list[int]] = [[], []]
-    errors: list[BaseException] = []
 
     def one_pass(mine: list[int]) -> None:
-        try:
-            start.wait(10)
-            reached: str | None = statements.HEAP_START
-            while reached is not None:
-                with engine.begin() as conn:
-                    count, reached = conn.execute(stmt, {"from_tid": reached}).one()
-                mine.append(count)
-                if count < 100:
-                    return
-        except BaseException as exc:  # reported below, not lost on the thread
-            errors.append(exc)
+        reached = statements.HEAP_START
+        while True:
+            with engine.begin() as conn:
+                count, reached = conn.execute(stmt, {"from_tid": reached}).one()
+            mine.append(count)
+            if count < 100:
+                return
 
-    threads = [threading.Thread(target=one_pass, args=(m,)) for m in moved]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors, errors
+    _at_once(one_pass, moved)
     assert all(sum(m) for m in moved), moved  # both took part
     assert sum(moved[0]) + sum(moved[1]) == len(ids)
     assert ids_in(raw, table.name) == []
