@@ -95,12 +95,12 @@ class Runner:
         cancel_event: CancelSignal,
         base: contextvars.Context,
         loop: asyncio.AbstractEventLoop,
-    ) -> tuple[OnThread, Callable[[], None]] | None:
-        """From any thread (the listener's: see `sqla_jobq.pickup`): a claimed
-        row's plain handler made ready to run in a copy of `base`, the
-        worker's context: what the loop awaits, and the call that runs it on
-        the calling thread. None for an async handler or a job refused (the
-        loop starts those). No `Attempt` yet: one is built off this path."""
+    ) -> tuple[OnThread, Callable[[], object]] | None:
+        """From any thread (the listener's, see `sqla_jobq.pickup`; a handler
+        thread's, see `sqla_jobq.ready`): a claimed row's plain handler made
+        ready to run in a copy of `base`, the worker's context: what the loop
+        awaits, and the handler's call, to run on that thread. None for an
+        async handler or a job refused (the loop starts those)."""
         try:
             task, job = prepare_row(self.registry, row, cancel_event)
         except Refused:
@@ -110,7 +110,7 @@ class Runner:
         context = base.copy()
         run = self._plain(task, job, row, context)
         future: asyncio.Future[Captured] = asyncio.Future(loop=loop)
-        return OnThread(future, context), functools.partial(self.threads.run_here, future, run)
+        return OnThread(future, context), run
 
     def _plain(
         self, task: Task[Any, Any], job: Job, row: dict[str, Any], context: contextvars.Context

@@ -108,7 +108,9 @@ class Starter:
         if ready is None:
             return None
         attempt = functools.partial(self._attempt, row, task.lease, signal, at)
-        return attempt, *ready
+        on_thread, call = ready
+        run_here = functools.partial(self.runner.threads.run_here, on_thread.future, call)
+        return attempt, on_thread, run_here
 
     def _attempt(self, row: Row, lease: timedelta, signal: CancelSignal, at: float) -> Attempt:
         attempt = Attempt.claimed(row, lease, self.claim_lease, at=at, cancel_event=signal)

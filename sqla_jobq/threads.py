@@ -23,6 +23,13 @@ from .capture import Captured, capture
 # 1.02x without it.
 SWITCH_INTERVAL = 0.001
 
+# A job a thread starts by itself, in the slot its last job freed (see
+# `HandlerThreads.follow`): what the loop calls to hear of it, and the
+# handler's future and call to run on that thread (None: the loop runs it).
+Follow = tuple[
+    Callable[[], None], tuple["asyncio.Future[Captured]", Callable[[], object]] | None
+]
+
 
 def hand_the_gil_over_sooner() -> None:
     """Set the process's GIL switch interval to SWITCH_INTERVAL: for a process
@@ -45,6 +52,12 @@ class HandlerThreads:
     (Jobs merely waiting for a woken thread to get the GIL wake no more
     threads: that would only add contention.) Finished jobs are collected in
     a list, and only the first of a batch wakes the loop.
+
+    A thread that finishes a job with nothing handed over waiting asks
+    `follow` for the next job to start in the slot it just freed (see
+    `sqla_jobq.ready`). The loop hears of that start in the same batch as
+    the finished job, and before it: it never sees the slot free while the
+    next job already runs in it.
     """
 
     def __init__(self, size: int, spread_after: float = 0.001) -> None:
@@ -58,6 +71,8 @@ class HandlerThreads:
         self.unclaimed = 0  # permits released and not yet taken (under lock)
         self.progress = time.monotonic()  # when a handler last started or finished
         self.done: list[tuple[asyncio.Future[Captured], Captured]] = []
+        self.follow: Callable[[], Follow | None] | None = None
+        self.notices: list[Callable[[], None]] = []  # the loop's, before `done` (under lock)
         self.closing = False
         self.kicked = False
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -128,28 +143,50 @@ class HandlerThreads:
                 return
             with self.lock:
                 self.unclaimed -= 1
-            while True:
-                try:
-                    future, call = self.pending.popleft()
-                except IndexError:
-                    break
-                if future.cancelled():  # its job was given up before a thread took it
-                    continue
+            job = self._handed_over()
+            while job is not None:
+                future, call = job
                 with self.lock:
                     self.busy += 1
                 self.progress = time.monotonic()
                 outcome = capture(call)
                 self.progress = time.monotonic()
-                if not self._done(future, outcome, ours=True):
+                notice, job = self._follow() or (None, None)
+                if not self._done(future, outcome, ours=True, notice=notice):
                     return
+                job = job or self._handed_over()
 
-    def _done(self, future: asyncio.Future[Captured], outcome: Captured, ours: bool) -> bool:
-        """Queue an outcome for the loop (the first of a batch wakes it), and
-        count one of our threads out of its handler; False if the loop is
-        closed: nobody is waiting any more."""
+    def _handed_over(self) -> tuple[asyncio.Future[Captured], Callable[[], object]] | None:
+        while True:
+            try:
+                future, call = self.pending.popleft()
+            except IndexError:
+                return None
+            if not future.cancelled():  # else its job was given up before a thread took it
+                return future, call
+
+    def _follow(self) -> Follow | None:
+        """What to start in the slot just freed, when no job handed over waits for it."""
+        if self.follow is None or self.pending or self.closing:
+            return None
+        return self.follow()
+
+    def _done(
+        self,
+        future: asyncio.Future[Captured],
+        outcome: Captured,
+        ours: bool,
+        notice: Callable[[], None] | None = None,
+    ) -> bool:
+        """Queue an outcome for the loop (the first of a batch wakes it), with
+        the `notice` of a job started in its slot, and count one of our
+        threads out of its handler; False if the loop is closed: nobody is
+        waiting any more."""
         assert self.loop is not None
         with self.lock:
             self.busy -= ours
+            if notice is not None:
+                self.notices.append(notice)
             self.done.append((future, outcome))
             first = len(self.done) == 1
         if first:
@@ -162,6 +199,9 @@ class HandlerThreads:
     def _deliver(self) -> None:
         with self.lock:
             batch, self.done = self.done, []
+            notices, self.notices = self.notices, []
+        for notice in notices:
+            notice()
         for future, outcome in batch:
             if not future.done():
                 future.set_result(outcome)

@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import functools
 import logging
 import os
 import signal
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -54,10 +54,11 @@ from .notify import Listener
 from .observe import Observer
 from .pickup import IdlePickup, Picked, Starter
 from .presence import Presence, WorkerInfo
+from .ready import ReadyQueue
 from .registry import Registry
 from .scheduler import Scheduler
 from .statements import DEFAULT_LEASE, REAP_BATCH
-from .threads import HandlerThreads
+from .threads import Follow, HandlerThreads
 from .transactions import Transactions
 from .vacuuming import Vacuumer
 
@@ -184,6 +185,9 @@ class Worker:
             else None
         )
         self.runner = Runner(registry, self.threads, self.observers, self.transactions)
+        self.threads.follow = self._follow
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.context = contextvars.copy_context()  # what a thread's start runs its handler in
         self.scheduler = Scheduler(registry) if registry.schedules else None
         self.next_fire: datetime | None = None
         self.listener: Listener | None = None
@@ -196,7 +200,7 @@ class Worker:
         # Jobs running per queue, kept as they start and end (observers read it).
         self.running_counts: dict[str, int] = dict.fromkeys(self.queues, 0)
         self.attempts: dict[Key, Attempt] = {}  # every attempt not settled yet
-        self.ready: deque[Attempt] = deque()  # claimed, waiting for a slot
+        self.ready = ReadyQueue()  # claimed, waiting for a slot
         self.running: dict[Key, Attempt] = {}  # started, oldest first
         self.avg_handler: float | None = None  # seconds, moving average
         # Claimed and not yet recorded, at most (see _room); held_back says
@@ -242,7 +246,8 @@ class Worker:
         """
         channel = await asyncio.to_thread(self._check_schema)
         await self._presence(self.claimer, self.presence.register)
-        loop = asyncio.get_running_loop()
+        loop = self.loop = asyncio.get_running_loop()
+        self.context = contextvars.copy_context()
         signals = (signal.SIGTERM, signal.SIGINT) if handle_signals else ()
         for sig in signals:
             loop.add_signal_handler(sig, self._on_signal)
@@ -326,6 +331,7 @@ class Worker:
         if not self.stopping:
             log.info("stopping: no new claims; waiting up to %ss", self.options.shutdown_timeout)
         self.stopping = True
+        self.ready.close()
         self.wake()
 
     def _on_signal(self) -> None:
@@ -624,14 +630,10 @@ class Worker:
         started, so the database decides whether it is still ours."""
         now = time.monotonic()
         lapsed: list[Attempt] = []
-        while self.ready and len(self.running) < self.options.concurrency and not self.stopping:
-            attempt = self.ready.popleft()
-            if attempt.state is not State.CLAIMED:  # lost while it waited
-                continue
-            if not attempt.lease_valid(now):
-                lapsed.append(attempt)
-                continue
-            attempt.start()
+        while len(self.running) < self.options.concurrency and not self.stopping:
+            attempt = self.ready.start_next(now, lapsed)
+            if attempt is None:
+                break
             self.running[attempt.key] = attempt
             self._observe_start(attempt)
             self._await(attempt, self._start(attempt), self._start_timeout(attempt))
@@ -640,6 +642,38 @@ class Worker:
             self.stall_check = loop.call_later(STALL_SECONDS, self._check_stall)
         if lapsed:
             self._hand_back_soon(lapsed, "whose leases ran out while they waited")
+
+    def _follow(self) -> Follow | None:
+        """On a handler thread whose job just finished: the next waiting
+        attempt, started in the slot it freed (see `ready`), if its task is
+        a plain function; the loop hears of it through `_arrived`."""
+        attempt = self.ready.start_here(time.monotonic(), self._runs_here)
+        if attempt is None:
+            return None
+        assert self.loop is not None
+        try:
+            ready = self.runner.start_plain(
+                attempt.row, attempt.cancel_event, self.context, self.loop
+            )
+        except Exception:  # the loop's `_start` meets it again, and records it
+            ready = None
+        if ready is None:  # refused: the loop records why
+            return functools.partial(self._arrived, attempt, None), None
+        on_thread, call = ready
+        return functools.partial(self._arrived, attempt, on_thread), (on_thread.future, call)
+
+    def _runs_here(self, attempt: Attempt) -> bool:
+        task = self.registry.get(attempt.task_name or "")
+        return task is not None and not task.is_async
+
+    def _arrived(self, attempt: Attempt, on_thread: OnThread | None) -> None:
+        """An attempt a handler thread started: running, as if the loop had
+        started it (before the outcome of the job whose slot it took)."""
+        self.ready.arrived()
+        self.running[attempt.key] = attempt
+        self._observe_start(attempt)
+        started = on_thread if on_thread is not None else self._start(attempt)
+        self._await(attempt, started, self._start_timeout(attempt))
 
     def _start(self, attempt: Attempt) -> Started:
         try:
@@ -735,11 +769,14 @@ class Worker:
             self.finisher.add(attempt)
 
     def _start_timeout(self, attempt: Attempt) -> asyncio.TimerHandle | None:
+        """The task's timeout, counted from the handler's start (a thread's
+        start reaches the loop a little later)."""
         task = self.registry.get(attempt.task_name)
         if task is None or task.timeout is None:
             return None
-        loop = asyncio.get_running_loop()
-        return loop.call_later(task.timeout.total_seconds(), self._time_out, attempt)
+        assert attempt.started_at is not None
+        left = task.timeout.total_seconds() - (time.monotonic() - attempt.started_at)
+        return asyncio.get_running_loop().call_later(max(0.0, left), self._time_out, attempt)
 
     def _time_out(self, attempt: Attempt) -> None:
         """An async handler is cancelled; a sync one cannot be stopped, so its
@@ -771,26 +808,21 @@ class Worker:
     def _check_stall(self) -> None:
         """Prefetched attempts stuck behind busy slots go back to the queue."""
         self.stall_check = None
-        if not self.ready or self.stopping:
+        oldest = self.ready.oldest_claimed_at()
+        if oldest is None or self.stopping:
             return
-        oldest = self.ready[0].claimed_at
         if time.monotonic() - oldest < STALL_SECONDS:
             self.stall_check = asyncio.get_running_loop().call_later(
                 STALL_SECONDS, self._check_stall
             )
             return
-        self._hand_back_soon(self._take_ready(), "stuck behind busy slots")
+        self._hand_back_soon(self.ready.take(), "stuck behind busy slots")
 
     def _hand_back_soon(self, attempts: list[Attempt], why: str) -> None:
         """Hand back attempts that never started (refunded), in a task."""
         task = asyncio.create_task(self._hand_back(attempts, refund=True, why=why))
         self.job_tasks.add(task)
         task.add_done_callback(self.job_tasks.discard)
-
-    def _take_ready(self) -> list[Attempt]:
-        waiting = [a for a in self.ready if a.state is State.CLAIMED]
-        self.ready.clear()
-        return waiting
 
     # -- settling ---------------------------------------------------------
 
@@ -820,8 +852,7 @@ class Worker:
     def _lost(self, attempt: Attempt, cancelled: bool = False) -> None:
         """The attempt's row is not ours any more: stop it, touch nothing. A
         cancelled job is stopped the same way; only the words differ."""
-        was = attempt.state
-        attempt.lose()
+        was = self.ready.lose(attempt)  # under its lock: no thread starts it now
         self.attempts.pop(attempt.key, None)
         if cancelled:
             log.info("%s: cancelled; stopping it", attempt.describe())
@@ -915,12 +946,15 @@ class Worker:
         """Hand back attempts not started (refunded), give running ones
         `shutdown_timeout`, hand back the rest, then record every outcome."""
         self.stopping = True
+        self.ready.close()
         await self._close_pickup()
         if self.stall_check is not None:
             self.stall_check.cancel()
         if self.sweep is not None:  # its rows join the ready ones handed back below
             await asyncio.gather(self.sweep, return_exceptions=True)
-        await self._hand_back(self._take_ready(), refund=True, why="not started at shutdown")
+        while self.ready.in_transit:  # started on threads: let the loop hear of them
+            await asyncio.sleep(0.001)
+        await self._hand_back(self.ready.take(), refund=True, why="not started at shutdown")
         if self.running:
             log.info("waiting for %d running jobs", len(self.running))
             await self._join_jobs(self.options.shutdown_timeout)

@@ -437,6 +437,73 @@ def test_shutdown_records_finished_jobs_and_hands_back_despite_dropped_connectio
     assert (handed["status"], handed["attempts"], handed["locked_until"]) == ("queued", 1, None)
 
 
+def test_stop_while_handler_threads_turn_slots_over_runs_nothing_twice_nor_strands_it(
+    engine: Engine, table: Table, raw: Raw, side: Side, database_url: str
+) -> None:
+    """Handler threads start the next prefetched job in the slot they free
+    (sqla_jobq/ready.py), beside the loop that stops the worker and hands
+    back what never started: stopped mid-drain, every job that ran is done
+    once, every other is queued with its attempt refunded, none `running`."""
+    registry = Registry(table)
+
+    @registry.task(name="brief")
+    def brief() -> None:
+        side.record("ran")
+        time.sleep(0.002)
+
+    with engine.begin() as conn:
+        ids = [client.enqueue(conn, table, "brief", {}, max_attempts=1) for _ in range(3_000)]
+    with running(registry, database_url, concurrency=4, shutdown_timeout=5) as run:
+        wait_until(lambda: len(side.events()) >= 600, 30, "the drain under way")
+        run.stop()
+        assert run.join() == 0
+    ran = [(e["job_id"], e["attempt"]) for e in side.events()]
+    assert len(ran) == len(set(ran)), "an attempt ran twice"
+    found = {
+        r[0]: r[1:]
+        for r in raw.execute(
+            f'SELECT id, status, attempts, max_attempts FROM "{table.name}" WHERE id = ANY(%s)',
+            (ids,),
+        )
+    }
+    ran_ids = {job_id for job_id, _ in ran}
+    for job_id in ids:
+        status, attempts, max_attempts = found[job_id]
+        if job_id in ran_ids:
+            assert (status, attempts) == ("done", 1), (job_id, found[job_id])
+        else:
+            assert (status, max_attempts - attempts) == ("queued", 1), (job_id, found[job_id])
+    assert len(ran_ids) < len(ids), "stopped after the drain, not in it"
+
+
+def test_a_prefetched_sync_job_started_by_a_handler_thread_still_times_out(
+    engine: Engine, table: Table, raw: Raw, side: Side, database_url: str
+) -> None:
+    """At -c 1 the prefetched job starts on the thread of the job before it;
+    its timeout counts from that start and records it failed at once, while
+    the handler is still blocked."""
+    registry = warmed(table, side)
+    release = threading.Event()
+
+    @registry.task(name="stuck", timeout=timedelta(seconds=0.3), max_attempts=1)
+    def stuck() -> None:
+        side.record("started")
+        release.wait(30)
+
+    with running(registry, database_url, concurrency=1, poll_interval=30):
+        warm = [enqueue(engine, table, "quick") for _ in range(20)]  # prefetching from here
+        wait_until(lambda: all(row(raw, table, j)["status"] == "done" for j in warm), 20, "warm")
+        with engine.begin() as conn:  # claimed together
+            first = client.enqueue(conn, table, "slow", {"seconds": 0.2})
+            stuck_id = client.enqueue(conn, table, "stuck", {}, max_attempts=1)
+        wait_until(lambda: side.events(stuck_id), 10, "the stuck job to start")
+        wait_until(lambda: row(raw, table, stuck_id)["status"] == "failed", 5, "its timeout")
+        assert [e["event"] for e in side.events(stuck_id)] == ["started"]  # still blocked
+        release.set()
+    assert row(raw, table, first)["status"] == "done"
+    assert row(raw, table, stuck_id)["last_error"].startswith("TimeoutError")
+
+
 def test_prefetched_jobs_behind_a_slow_one_go_to_an_idle_worker(
     engine: Engine, table: Table, raw: Raw, side: Side, database_url: str
 ) -> None:

@@ -40,6 +40,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "leases",
             "loop_watch",
             "threads",
+            "ready",
             "transactions",
             "scheduler",
             "observe",
