@@ -186,8 +186,9 @@ class Worker:
         )
         self.runner = Runner(registry, self.threads, self.observers, self.transactions)
         self.threads.follow = self._follow
+        # Set by `run`: the loop, and the context a thread's start runs its handler in.
         self.loop: asyncio.AbstractEventLoop | None = None
-        self.context = contextvars.copy_context()  # what a thread's start runs its handler in
+        self.context: contextvars.Context | None = None
         self.scheduler = Scheduler(registry) if registry.schedules else None
         self.next_fire: datetime | None = None
         self.listener: Listener | None = None
@@ -650,7 +651,7 @@ class Worker:
         attempt = self.ready.start_here(time.monotonic(), self._runs_here)
         if attempt is None:
             return None
-        assert self.loop is not None
+        assert self.loop is not None and self.context is not None
         try:
             ready = self.runner.start_plain(
                 attempt.row, attempt.cancel_event, self.context, self.loop
@@ -663,7 +664,7 @@ class Worker:
         return functools.partial(self._arrived, attempt, on_thread), (on_thread.future, call)
 
     def _runs_here(self, attempt: Attempt) -> bool:
-        task = self.registry.get(attempt.task_name or "")
+        task = self.registry.get(attempt.task_name)
         return task is not None and not task.is_async
 
     def _arrived(self, attempt: Attempt, on_thread: OnThread | None) -> None:

@@ -4,7 +4,8 @@ One idle `jobq worker` (not burst, LISTEN active, poll interval 60 s so only
 a notification can wake it) runs the `stamp` task, whose handler writes
 time.time() as its first act. The enqueuer commits one job at a time with a
 gap between them and records time.time() just before COMMIT and just after it
-returns. In the same round, the baseline: two psycopg connections, one
+returns. In the same round, job by job in turn with the worker's (so both
+are measured over the same seconds), the baseline: two psycopg connections, one
 LISTENing in a thread, the other running BEGIN; INSERT a row; NOTIFY; COMMIT
 (the same kind of transaction as an enqueue, whose COMMIT waits for the WAL
 flush) with the same two timestamps around the COMMIT, the listener recording
@@ -59,9 +60,7 @@ def _wait_for_listener(bench: Bench, timeout: float = 30.0) -> None:
     raise RuntimeError("the worker did not start LISTENing")
 
 
-def _raw_round(
-    bench: Bench, count: int, gap: float
-) -> tuple[list[float], list[float], list[float]]:
+class _Floor:
     """Raw LISTEN/NOTIFY, and the floor: the same plus one claim round trip.
 
     The producer commits the same INSERT as an enqueue into `jobs_floor` (a
@@ -71,57 +70,104 @@ def _raw_round(
     connection and records when the claim returns: the least any worker that
     must claim before it runs a job can do.
     """
-    from datetime import timedelta
 
-    from sqlalchemy import MetaData
+    def __init__(self, bench: Bench) -> None:
+        from datetime import timedelta
 
-    from sqla_jobq.driver import Compiled
-    from sqla_jobq.schema import jobs_table
-    from sqla_jobq.statements import claim
+        from sqlalchemy import MetaData
 
-    table = jobs_table(MetaData(), FLOOR_TABLE)
-    claim_sql = Compiled.of(claim(table, queue="default", lease=timedelta(minutes=5)))
-    received: list[float] = []
-    claimed: dict[int, float] = {}
-    ready = threading.Event()
-    listener = bench.connect()
-    claimer = psycopg.connect(bench.dsn, autocommit=True, prepare_threshold=0)
-    params = claim_sql.params(limit=8)
-    for _ in range(3):  # prepare it
-        claimer.execute(claim_sql.sql, params).fetchall()
+        from sqla_jobq.driver import Compiled
+        from sqla_jobq.schema import jobs_table
+        from sqla_jobq.statements import claim
 
-    def listen() -> None:
-        listener.execute(f'LISTEN "public.{FLOOR_TABLE}"')  # the trigger's channel
-        ready.set()
-        for _ in listener.notifies():
-            received.append(time.time())
-            rows = claimer.execute(claim_sql.sql, params).fetchall()
+        table = jobs_table(MetaData(), FLOOR_TABLE)
+        self.claim = Compiled.of(claim(table, queue="default", lease=timedelta(minutes=5)))
+        self.received: dict[int, float] = {}
+        self.claimed: dict[int, float] = {}
+        self.listener = bench.connect()
+        self.claimer = psycopg.connect(bench.dsn, autocommit=True, prepare_threshold=0)
+        self.sender = psycopg.connect(bench.dsn)
+        self.params = self.claim.params(limit=8)
+        for _ in range(3):  # prepare it
+            self.claimer.execute(self.claim.sql, self.params).fetchall()
+        listening = threading.Event()
+        self.thread = threading.Thread(target=self._listen, args=(listening,), daemon=True)
+        self.thread.start()
+        listening.wait(10)
+
+    def _listen(self, listening: threading.Event) -> None:
+        self.listener.execute(f'LISTEN "public.{FLOOR_TABLE}"')  # the trigger's channel
+        listening.set()
+        for _ in self.listener.notifies():
+            heard = time.time()
+            rows = self.claimer.execute(self.claim.sql, self.params).fetchall()
             now = time.time()
             for row in rows:
-                if row[3].get("seq") == -1:
+                seq = row[3].get("seq")
+                if seq == -1:
                     return
-                claimed[row[3]["seq"]] = now
+                self.received[seq], self.claimed[seq] = heard, now
 
-    thread = threading.Thread(target=listen, daemon=True)
-    thread.start()
-    ready.wait(10)
-    sent: dict[int, tuple[float, float]] = {}
-    insert = f"INSERT INTO {FLOOR_TABLE} (task, payload) VALUES ('stamp', %s::jsonb)"
-    with psycopg.connect(bench.dsn) as sender:
-        for i in range(count):
-            sender.execute(insert, (json.dumps({"seq": i}),))
-            before = time.time()
-            sender.commit()
-            sent[i] = (before, time.time())
-            time.sleep(gap)
-        sender.execute(insert, (json.dumps({"seq": -1}),))
-        sender.commit()
-    thread.join(10)
-    listener.close()
-    claimer.close()
-    raw_sent, raw_ret = _deltas(sent, dict(enumerate(received)))
-    floor_sent, _ = _deltas(sent, claimed)
-    return raw_sent, raw_ret, floor_sent
+    def send(self, seq: int) -> tuple[float, float]:
+        """Commit one job; the time just before COMMIT and just after it returned."""
+        insert = f"INSERT INTO {FLOOR_TABLE} (task, payload) VALUES ('stamp', %s::jsonb)"
+        self.sender.execute(insert, (json.dumps({"seq": seq}),))
+        before = time.time()
+        self.sender.commit()
+        return before, time.time()
+
+    def close(self) -> None:
+        self.send(-1)
+        self.thread.join(10)
+        for conn in (self.listener, self.claimer, self.sender):
+            conn.close()
+
+
+def _paired_round(
+    bench: Bench, stamps: Path, first: int, count: int, gap: float
+) -> dict[str, list[float]]:
+    """`count` jobs for the worker and as many for the floor, one of each in
+    turn, `gap` apart: both sides are measured over the same seconds, so a
+    slower stretch of the machine costs them alike (in rounds of their own,
+    one side's stretch could be slower than the other's)."""
+    from bench.tasks import stamp
+
+    floor = _Floor(bench)
+    engine = create_engine(bench.url, poolclass=NullPool)
+    raw_sent: dict[int, tuple[float, float]] = {}
+    ours_sent: dict[int, tuple[float, float]] = {}
+    try:
+        with engine.connect() as conn:
+            for i in range(count):
+                raw_sent[i] = floor.send(i)
+                time.sleep(gap)
+                seq = first + i
+                trans = conn.begin()
+                stamp.enqueue(conn, seq=seq)
+                before = time.time()
+                trans.commit()
+                ours_sent[seq] = (before, time.time())
+                time.sleep(gap)
+    finally:
+        engine.dispose()
+        floor.close()
+    deadline = time.monotonic() + 10
+    received: dict[int, float] = {}
+    while time.monotonic() < deadline:
+        received = _read_stamps(stamps)
+        if all(s in received for s in ours_sent):
+            break
+        time.sleep(0.05)
+    raw, raw_ret = _deltas(raw_sent, floor.received)
+    floor_sent, _ = _deltas(raw_sent, floor.claimed)
+    ours, ours_ret = _deltas(ours_sent, received)
+    return {
+        "raw_sent": raw,
+        "raw_ret": raw_ret,
+        "floor_sent": floor_sent,
+        "ours_sent": ours,
+        "ours_ret": ours_ret,
+    }
 
 
 def _deltas(
@@ -133,34 +179,6 @@ def _deltas(
     from_sent = [(received[i] - sent[i][0]) * 1000 for i in sent]
     from_returned = [(received[i] - sent[i][1]) * 1000 for i in sent]
     return from_sent, from_returned
-
-
-def _worker_round(
-    bench: Bench, stamps: Path, first: int, count: int, gap: float
-) -> tuple[list[float], list[float]]:
-    from bench.tasks import stamp
-
-    engine = create_engine(bench.url, poolclass=NullPool)
-    sent: dict[int, tuple[float, float]] = {}
-    try:
-        with engine.connect() as conn:
-            for seq in range(first, first + count):
-                trans = conn.begin()
-                stamp.enqueue(conn, seq=seq)
-                before = time.time()
-                trans.commit()
-                sent[seq] = (before, time.time())
-                time.sleep(gap)
-    finally:
-        engine.dispose()
-    deadline = time.monotonic() + 10
-    received: dict[int, float] = {}
-    while time.monotonic() < deadline:
-        received = _read_stamps(stamps)
-        if all(s in received for s in sent):
-            break
-        time.sleep(0.05)
-    return _deltas(sent, received)
 
 
 def _read_stamps(path: Path) -> dict[int, float]:
@@ -193,19 +211,11 @@ def run(bench: Bench, log: Callable[[str], None]) -> dict[str, Any]:
         try:
             _wait_for_listener(bench)
             # Warm up: connections made, statements prepared, code paths run.
-            _worker_round(bench, stamps, -20, 20, gap)
-            _raw_round(bench, 20, gap)
+            _paired_round(bench, stamps, -20, 20, gap)
             for r in range(bench.rounds):
-                raw_sent, raw_ret, floor_sent = _raw_round(bench, n, gap)
-                ours_sent, ours_ret = _worker_round(bench, stamps, r * n, n, gap)
-                rounds.append(
-                    {
-                        "raw_sent": raw_sent,
-                        "raw_ret": raw_ret,
-                        "floor_sent": floor_sent,
-                        "ours_sent": ours_sent,
-                        "ours_ret": ours_ret,
-                    }
+                rounds.append(_paired_round(bench, stamps, r * n, n, gap))
+                raw_sent, floor_sent, ours_sent = (
+                    rounds[-1][k] for k in ("raw_sent", "floor_sent", "ours_sent")
                 )
                 log(
                     f"  round {r + 1} pickup p50 {common.median(ours_sent):.2f} ms "

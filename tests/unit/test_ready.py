@@ -51,42 +51,48 @@ def switching_often() -> Iterator[None]:
 @pytest.mark.usefixtures("switching_often")
 def test_threads_and_the_loop_never_start_one_attempt_twice_nor_one_taken_or_lost() -> None:
     for _ in range(20):
-        ready, attempts = filled(2_000)
-        started: list[list[Attempt]] = [[] for _ in range(4)]
-        errors: list[BaseException] = []
-        go = threading.Barrier(5)
+        _race_once()
 
-        def thread_starts(mine: list[Attempt]) -> None:
-            go.wait()
-            try:
-                while (a := ready.start_here(time.monotonic(), plain)) is not None:
-                    mine.append(a)
-                    ready.arrived()
-            except BaseException as exc:  # reported below: a thread's own would be lost
-                errors.append(exc)
 
-        threads = [threading.Thread(target=thread_starts, args=(s,)) for s in started]
-        for t in threads:
-            t.start()
+def _race_once() -> None:
+    """Four threads start as fast as they can, as after each finished job,
+    while the loop loses some, starts some and takes the rest."""
+    ready, attempts = filled(2_000)
+    started: list[list[Attempt]] = [[] for _ in range(4)]
+    errors: list[BaseException] = []
+    go = threading.Barrier(5)
+
+    def thread_starts(mine: list[Attempt]) -> None:
         go.wait()
-        was = {a.key: ready.lose(a) for a in attempts[1_000::7]}  # started, or not yet
-        lost = [a for a in attempts if was.get(a.key) is State.CLAIMED]
-        loop_started: list[Attempt] = []
-        for _ in range(50):
-            if (a := ready.start_next(time.monotonic(), [])) is not None:
-                loop_started.append(a)
-        taken = ready.take()
-        for t in threads:
-            t.join()
-        assert errors == []
-        by_threads = [a for s in started for a in s]
-        ends = [*by_threads, *loop_started, *taken, *lost]
-        assert sorted(a.key for a in ends) == sorted(a.key for a in attempts), "not once each"
-        for a in [*by_threads, *loop_started]:  # lost once started: the worker stops it
-            assert a.state is (State.LOST if was.get(a.key) is State.STARTED else State.STARTED)
-        assert all(a.state is State.CLAIMED for a in taken)
-        assert all(a.state is State.LOST for a in lost)
-        assert ready.in_transit == 0 and len(ready) == 0
+        try:
+            while (a := ready.start_here(time.monotonic(), plain)) is not None:
+                mine.append(a)
+                ready.arrived()
+        except BaseException as exc:  # reported below: a thread's own would be lost
+            errors.append(exc)
+
+    threads = [threading.Thread(target=thread_starts, args=(s,)) for s in started]
+    for t in threads:
+        t.start()
+    go.wait()
+    was = {a.key: ready.lose(a) for a in attempts[1_000::7]}  # started, or not yet
+    lost = [a for a in attempts if was.get(a.key) is State.CLAIMED]
+    loop_started: list[Attempt] = []
+    for _ in range(50):
+        if (a := ready.start_next(time.monotonic(), [])) is not None:
+            loop_started.append(a)
+    taken = ready.take()
+    for t in threads:
+        t.join()
+    assert errors == []
+    by_threads = [a for s in started for a in s]
+    ends = [*by_threads, *loop_started, *taken, *lost]
+    assert sorted(a.key for a in ends) == sorted(a.key for a in attempts), "not once each"
+    for a in [*by_threads, *loop_started]:  # lost once started: the worker stops it
+        assert a.state is (State.LOST if was.get(a.key) is State.STARTED else State.STARTED)
+    assert all(a.state is State.CLAIMED for a in taken)
+    assert all(a.state is State.LOST for a in lost)
+    assert ready.in_transit == 0 and len(ready) == 0
 
 
 def test_a_thread_leaves_an_attempt_whose_lease_ran_out_to_the_loop() -> None:
