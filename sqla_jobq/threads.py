@@ -56,8 +56,8 @@ class HandlerThreads:
     A thread that finishes a job with nothing handed over waiting asks
     `follow` for the next job to start in the slot it just freed (see
     `sqla_jobq.ready`). The loop hears of that start in the same batch as
-    the finished job, and before it: it never sees the slot free while the
-    next job already runs in it.
+    the finished job, right after it, so what it reports running never
+    counts both; until then the start counts as in transit (see `ready`).
     """
 
     def __init__(self, size: int, spread_after: float = 0.001) -> None:
@@ -72,7 +72,7 @@ class HandlerThreads:
         self.progress = time.monotonic()  # when a handler last started or finished
         self.done: list[tuple[asyncio.Future[Captured], Captured]] = []
         self.follow: Callable[[], Follow | None] | None = None
-        self.notices: list[Callable[[], None]] = []  # the loop's, before `done` (under lock)
+        self.notices: list[Callable[[], None]] = []  # the loop's, after `done` (under lock)
         self.closing = False
         self.kicked = False
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -200,11 +200,12 @@ class HandlerThreads:
         with self.lock:
             batch, self.done = self.done, []
             notices, self.notices = self.notices, []
-        for notice in notices:
-            notice()
         for future, outcome in batch:
             if not future.done():
                 future.set_result(outcome)
+        assert self.loop is not None
+        for notice in notices:  # after the callbacks set_result has just scheduled
+            self.loop.call_soon(notice)
 
     def shutdown(self, timeout: float = 1.0) -> None:
         """Drop calls no thread has taken yet, and let idle threads exit; a

@@ -360,7 +360,7 @@ class Worker:
         job of the queue in memory.
         """
         concurrency = self.options.concurrency
-        free = concurrency - len(self.running) - len(self.ready)
+        free = concurrency - self._busy() - len(self.ready)
         extra = 0
         if self.avg_handler is not None and not self.limited:
             per_job = max(self.avg_handler, self._longest_running(), 1e-6)
@@ -452,7 +452,7 @@ class Worker:
             return
         room = self._room()
         if room > 0:
-            free = len(self.running) + len(self.ready) < self.options.concurrency
+            free = self._busy() + len(self.ready) < self.options.concurrency
             self.pickup.arm(room, may_start=free, after=self.cursor.after(), again=again)
 
     async def _disarm(self) -> None:
@@ -631,7 +631,7 @@ class Worker:
         started, so the database decides whether it is still ours."""
         now = time.monotonic()
         lapsed: list[Attempt] = []
-        while len(self.running) < self.options.concurrency and not self.stopping:
+        while self._busy() < self.options.concurrency and not self.stopping:
             attempt = self.ready.start_next(now, lapsed)
             if attempt is None:
                 break
@@ -643,6 +643,11 @@ class Worker:
             self.stall_check = loop.call_later(STALL_SECONDS, self._check_stall)
         if lapsed:
             self._hand_back_soon(lapsed, "whose leases ran out while they waited")
+
+    def _busy(self) -> int:
+        """Slots taken: jobs running, and jobs threads started that the loop
+        has not heard of yet (their slots' last jobs may have left already)."""
+        return len(self.running) + self.ready.in_transit
 
     def _follow(self) -> Follow | None:
         """On a handler thread whose job just finished: the next waiting
@@ -669,7 +674,7 @@ class Worker:
 
     def _arrived(self, attempt: Attempt, on_thread: OnThread | None) -> None:
         """An attempt a handler thread started: running, as if the loop had
-        started it (before the outcome of the job whose slot it took)."""
+        started it (right after the job whose slot it took has left)."""
         self.ready.arrived()
         self.running[attempt.key] = attempt
         self._observe_start(attempt)
