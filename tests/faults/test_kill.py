@@ -141,6 +141,9 @@ def test_sigterm_mid_run_hands_jobs_back(fq: FaultQueue, workers: Workers) -> No
         target = fq.done_count() + 300
         fleet.run_until(lambda t=target: fq.done_count() >= t, 60, "progress between stops")
         leaving = fleet.slots[step % 2]
+        # A replacement may still be starting (the other worker made the
+        # progress alone): SIGTERM before its handler is in kills it outright.
+        wait_until(lambda w=leaving: "worker started" in w.output(), 30, "the worker up")
         leaving.kill(signal.SIGTERM)
         assert leaving.proc.wait(30) == 0, leaving.output()[-2000:]
     fleet.run_until(lambda: fq.done_count() >= len(ids), 120, "all jobs done")
