@@ -7,7 +7,8 @@ batch, and a loop busy with claims and completions made every slot wait for
 it: at its capacity, the worker's handlers sat idle with dozens of jobs
 claimed (docs/benchmarks.md, the held snapshot's tenth round). Now a thread
 that finishes a plain job starts the next waiting one itself, in the slot it
-just freed, and the loop hears of both at once.
+just freed, and the loop hears of the start in the same batch as the
+finished job (right after it; until then the start is `in_transit`).
 
 Every way out of the queue goes through one lock: the loop's own starts, the
 threads' starts, taking every waiting attempt (to hand it back: stuck behind
@@ -50,15 +51,12 @@ class ReadyQueue:
         """The loop's start: the oldest attempt still ours, started; those
         whose leases ran out meanwhile go to `lapsed`, for a hand-back."""
         with self.lock:
-            while self.waiting and not self.closed:
-                attempt = self.waiting.popleft()
-                if attempt.state is not State.CLAIMED:  # lost while it waited
-                    continue
-                if not attempt.lease_valid(now):
-                    lapsed.append(attempt)
-                    continue
-                attempt.start(now)
-                return attempt
+            while (attempt := self._head()) is not None:
+                self.waiting.popleft()
+                if attempt.lease_valid(now):
+                    attempt.start(now)
+                    return attempt
+                lapsed.append(attempt)
         return None
 
     def start_here(self, now: float, runs_here: Callable[[Attempt], bool]) -> Attempt | None:
@@ -66,17 +64,21 @@ class ReadyQueue:
         oldest attempt, if `runs_here` and its lease is valid. Anything else
         at the head is left for the loop, which knows what to do with it."""
         with self.lock:
-            while self.waiting and not self.closed:
-                attempt = self.waiting[0]
-                if attempt.state is not State.CLAIMED:
-                    self.waiting.popleft()
-                    continue
-                if not (attempt.lease_valid(now) and runs_here(attempt)):
-                    return None
-                self.waiting.popleft()
-                attempt.start(now)
-                self.in_transit += 1
-                return attempt
+            attempt = self._head()
+            if attempt is None or not (attempt.lease_valid(now) and runs_here(attempt)):
+                return None
+            self.waiting.popleft()
+            attempt.start(now)
+            self.in_transit += 1
+            return attempt
+
+    def _head(self) -> Attempt | None:
+        """The oldest waiting attempt still ours, left in place (those lost
+        while they waited are dropped); None once closed (under lock)."""
+        while self.waiting and not self.closed:
+            if self.waiting[0].state is State.CLAIMED:
+                return self.waiting[0]
+            self.waiting.popleft()
         return None
 
     def arrived(self) -> None:
