@@ -408,7 +408,7 @@ class Worker:
                 continue
             empty = 0 if rows else empty + 1
             if self.options.burst:
-                if not (self.running or rows or self.ready or self.handing_back):
+                if not (self._busy() or rows or self.ready or self.handing_back):
                     if not await self._burst_waits(empty):
                         return
                     continue
@@ -658,14 +658,14 @@ class Worker:
             return None
         assert self.loop is not None and self.context is not None
         try:
-            ready = self.runner.start_plain(
+            prepared = self.runner.start_plain(
                 attempt.row, attempt.cancel_event, self.context, self.loop
             )
         except Exception:  # the loop's `_start` meets it again, and records it
-            ready = None
-        if ready is None:  # refused: the loop records why
+            prepared = None
+        if prepared is None:  # refused: the loop records why
             return functools.partial(self._arrived, attempt, None), None
-        on_thread, call = ready
+        on_thread, call = prepared
         return functools.partial(self._arrived, attempt, on_thread), (on_thread.future, call)
 
     def _runs_here(self, attempt: Attempt) -> bool:
