@@ -23,12 +23,12 @@ from .capture import Captured, capture
 # 1.02x without it.
 SWITCH_INTERVAL = 0.001
 
+# A handler's call, and the future its outcome resolves on the loop.
+Job = tuple["asyncio.Future[Captured]", Callable[[], object]]
 # A job a thread starts by itself, in the slot its last job freed (see
-# `HandlerThreads.follow`): what the loop calls to hear of it, and the
-# handler's future and call to run on that thread (None: the loop runs it).
-Follow = tuple[
-    Callable[[], None], tuple["asyncio.Future[Captured]", Callable[[], object]] | None
-]
+# `HandlerThreads.follow`): what the loop calls to hear of it, and the job to
+# run on that thread (None: the loop runs it).
+Follow = tuple[Callable[[], None], Job | None]
 
 
 def hand_the_gil_over_sooner() -> None:
@@ -63,7 +63,7 @@ class HandlerThreads:
     def __init__(self, size: int, spread_after: float = 0.001) -> None:
         self.size = size
         self.spread_after = spread_after
-        self.pending: deque[tuple[asyncio.Future[Captured], Callable[[], object]]] = deque()
+        self.pending: deque[Job] = deque()
         self.permits: queue.SimpleQueue[None] = queue.SimpleQueue()  # C, unlike Semaphore
         self.threads: list[threading.Thread] = []
         self.lock = threading.Lock()
@@ -156,7 +156,7 @@ class HandlerThreads:
                     return
                 job = job or self._handed_over()
 
-    def _handed_over(self) -> tuple[asyncio.Future[Captured], Callable[[], object]] | None:
+    def _handed_over(self) -> Job | None:
         while True:
             try:
                 future, call = self.pending.popleft()
