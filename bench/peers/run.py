@@ -638,73 +638,6 @@ def _picked(stamps: Path, sent: dict[int, float], what: str) -> dict[int, float]
         time.sleep(0.05)
 
 
-STOP = -999_999
-
-
-@contextmanager
-def raw_floor(
-    bench: Bench,
-) -> Iterator[tuple[Callable[[int], tuple[float, float]], dict[int, float], dict[int, float]]]:
-    """Raw LISTEN/NOTIFY, and raw plus one claim, one job at a time (as bench/suite/latency.py).
-
-    The producer commits an enqueue's INSERT into `jobs_floor` (our schema: its
-    trigger sends the NOTIFY); the listener records when the notification
-    arrives, claims with the worker's own claim statement (prepared, autocommit)
-    and records when the claim returns.
-    """
-    from datetime import timedelta
-
-    from sqlalchemy import MetaData
-
-    from sqla_jobq.driver import Compiled
-    from sqla_jobq.schema import jobs_table
-    from sqla_jobq.statements import claim
-
-    table = jobs_table(MetaData(), latency.FLOOR_TABLE)
-    claim_sql = Compiled.of(claim(table, queue="default", lease=timedelta(minutes=5)))
-    params = claim_sql.params(limit=8)
-    received: dict[int, float] = {}
-    claimed: dict[int, float] = {}
-    listener = bench.connect()
-    claimer = psycopg.connect(bench.dsn, autocommit=True, prepare_threshold=0)
-    sender = psycopg.connect(bench.dsn)
-    for _ in range(3):
-        claimer.execute(claim_sql.sql, params).fetchall()
-    listening = threading.Event()
-
-    def listen() -> None:
-        listener.execute(f'LISTEN "public.{latency.FLOOR_TABLE}"')
-        listening.set()
-        for _ in listener.notifies():
-            woke = time.time()
-            rows = claimer.execute(claim_sql.sql, params).fetchall()
-            now = time.time()
-            seqs = [int(row[3]["seq"]) for row in rows]
-            for seq in seqs:
-                received[seq], claimed[seq] = woke, now
-            if STOP in seqs:
-                return
-
-    insert = f"INSERT INTO {latency.FLOOR_TABLE} (task, payload) VALUES ('stamp', %s::jsonb)"
-
-    def one(seq: int) -> tuple[float, float]:
-        sender.execute(insert, (json.dumps({"seq": seq}),))
-        before = time.time()
-        sender.commit()
-        return before, time.time()
-
-    thread = threading.Thread(target=listen, daemon=True)
-    thread.start()
-    listening.wait(10)
-    try:
-        yield one, received, claimed
-    finally:
-        one(STOP)
-        thread.join(10)
-        for conn in (listener, claimer, sender):
-            conn.close()
-
-
 def run_pickup(
     systems: dict[str, System], sizes: Sizes, rounds: int, log: Callable[[str], None]
 ) -> dict[str, list[list[float]]]:
@@ -726,7 +659,7 @@ def run_pickup(
         for key, system in systems.items():
             stack.enter_context(system.idle_worker(stamps[key]))
         one = {k: stack.enter_context(s.producer()) for k, s in systems.items()}
-        raw_one, raw_received, raw_claimed = stack.enter_context(raw_floor(ours.bench))
+        raw_one, raw_received, raw_claimed = stack.enter_context(latency.raw_floor(ours.bench))
         one["raw"] = raw_one
         for key in systems:  # each worker is up: a job it ran, then a warm-up
             deadline = time.monotonic() + 60

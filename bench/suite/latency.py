@@ -32,7 +32,8 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -60,66 +61,73 @@ def _wait_for_listener(bench: Bench, timeout: float = 30.0) -> None:
     raise RuntimeError("the worker did not start LISTENing")
 
 
-class _Floor:
-    """Raw LISTEN/NOTIFY, and the floor: the same plus one claim round trip.
+STOP = -999_999  # the sequence number that ends the listener
 
-    The producer commits the same INSERT as an enqueue into `jobs_floor` (a
-    queue table of the same schema, whose trigger sends the NOTIFY). The
-    listener records when each notification arrives, then claims with the
-    worker's own compiled claim statement (prepared, autocommit) on a second
-    connection and records when the claim returns: the least any worker that
-    must claim before it runs a job can do.
+
+@contextmanager
+def raw_floor(
+    bench: Bench,
+) -> Iterator[tuple[Callable[[int], tuple[float, float]], dict[int, float], dict[int, float]]]:
+    """Raw LISTEN/NOTIFY, and the floor: the same plus one claim round trip
+    (the least any worker that must claim before it runs a job can do): a
+    call committing one job (the times just before COMMIT and just after it
+    returned), and when each job's notification arrived and its claim returned.
+
+    The producer commits an enqueue's INSERT into `jobs_floor` (our schema: its
+    trigger sends the NOTIFY); the listener records when the notification
+    arrives, claims with the worker's own claim statement (prepared, autocommit)
+    and records when the claim returns.
     """
+    from datetime import timedelta
 
-    def __init__(self, bench: Bench) -> None:
-        from datetime import timedelta
+    from sqlalchemy import MetaData
 
-        from sqlalchemy import MetaData
+    from sqla_jobq.driver import Compiled
+    from sqla_jobq.schema import jobs_table
+    from sqla_jobq.statements import claim
 
-        from sqla_jobq.driver import Compiled
-        from sqla_jobq.schema import jobs_table
-        from sqla_jobq.statements import claim
+    table = jobs_table(MetaData(), FLOOR_TABLE)
+    claim_sql = Compiled.of(claim(table, queue="default", lease=timedelta(minutes=5)))
+    params = claim_sql.params(limit=8)
+    received: dict[int, float] = {}
+    claimed: dict[int, float] = {}
+    listener = bench.connect()
+    claimer = psycopg.connect(bench.dsn, autocommit=True, prepare_threshold=0)
+    sender = psycopg.connect(bench.dsn)
+    for _ in range(3):
+        claimer.execute(claim_sql.sql, params).fetchall()
+    listening = threading.Event()
 
-        table = jobs_table(MetaData(), FLOOR_TABLE)
-        self.claim = Compiled.of(claim(table, queue="default", lease=timedelta(minutes=5)))
-        self.received: dict[int, float] = {}
-        self.claimed: dict[int, float] = {}
-        self.listener = bench.connect()
-        self.claimer = psycopg.connect(bench.dsn, autocommit=True, prepare_threshold=0)
-        self.sender = psycopg.connect(bench.dsn)
-        self.params = self.claim.params(limit=8)
-        for _ in range(3):  # prepare it
-            self.claimer.execute(self.claim.sql, self.params).fetchall()
-        listening = threading.Event()
-        self.thread = threading.Thread(target=self._listen, args=(listening,), daemon=True)
-        self.thread.start()
-        listening.wait(10)
-
-    def _listen(self, listening: threading.Event) -> None:
-        self.listener.execute(f'LISTEN "public.{FLOOR_TABLE}"')  # the trigger's channel
+    def listen() -> None:
+        listener.execute(f'LISTEN "public.{FLOOR_TABLE}"')
         listening.set()
-        for _ in self.listener.notifies():
-            heard = time.time()
-            rows = self.claimer.execute(self.claim.sql, self.params).fetchall()
+        for _ in listener.notifies():
+            woke = time.time()
+            rows = claimer.execute(claim_sql.sql, params).fetchall()
             now = time.time()
-            for row in rows:
-                seq = row[3].get("seq")
-                if seq == -1:
-                    return
-                self.received[seq], self.claimed[seq] = heard, now
+            seqs = [int(row[3]["seq"]) for row in rows]
+            for seq in seqs:
+                received[seq], claimed[seq] = woke, now
+            if STOP in seqs:
+                return
 
-    def send(self, seq: int) -> tuple[float, float]:
-        """Commit one job; the time just before COMMIT and just after it returned."""
-        insert = f"INSERT INTO {FLOOR_TABLE} (task, payload) VALUES ('stamp', %s::jsonb)"
-        self.sender.execute(insert, (json.dumps({"seq": seq}),))
+    insert = f"INSERT INTO {FLOOR_TABLE} (task, payload) VALUES ('stamp', %s::jsonb)"
+
+    def one(seq: int) -> tuple[float, float]:
+        sender.execute(insert, (json.dumps({"seq": seq}),))
         before = time.time()
-        self.sender.commit()
+        sender.commit()
         return before, time.time()
 
-    def close(self) -> None:
-        self.send(-1)
-        self.thread.join(10)
-        for conn in (self.listener, self.claimer, self.sender):
+    thread = threading.Thread(target=listen, daemon=True)
+    thread.start()
+    listening.wait(10)
+    try:
+        yield one, received, claimed
+    finally:
+        one(STOP)
+        thread.join(10)
+        for conn in (listener, claimer, sender):
             conn.close()
 
 
@@ -132,14 +140,13 @@ def _paired_round(
     one side's stretch could be slower than the other's)."""
     from bench.tasks import stamp
 
-    floor = _Floor(bench)
     engine = create_engine(bench.url, poolclass=NullPool)
     raw_sent: dict[int, tuple[float, float]] = {}
     ours_sent: dict[int, tuple[float, float]] = {}
     try:
-        with engine.connect() as conn:
+        with raw_floor(bench) as (send, heard, claimed), engine.connect() as conn:
             for i in range(count):
-                raw_sent[i] = floor.send(i)
+                raw_sent[i] = send(i)
                 time.sleep(gap)
                 seq = first + i
                 trans = conn.begin()
@@ -150,7 +157,6 @@ def _paired_round(
                 time.sleep(gap)
     finally:
         engine.dispose()
-        floor.close()
     deadline = time.monotonic() + 10
     received: dict[int, float] = {}
     while time.monotonic() < deadline:
@@ -158,8 +164,8 @@ def _paired_round(
         if all(s in received for s in ours_sent):
             break
         time.sleep(0.05)
-    raw, raw_ret = _deltas(raw_sent, floor.received)
-    floor_sent, _ = _deltas(raw_sent, floor.claimed)
+    raw, raw_ret = _deltas(raw_sent, heard)
+    floor_sent, _ = _deltas(raw_sent, claimed)
     ours, ours_ret = _deltas(ours_sent, received)
     return {
         "raw_sent": raw,
@@ -213,16 +219,14 @@ def run(bench: Bench, log: Callable[[str], None]) -> dict[str, Any]:
             # Warm up: connections made, statements prepared, code paths run.
             _paired_round(bench, stamps, -20, 20, gap)
             for r in range(bench.rounds):
-                rounds.append(_paired_round(bench, stamps, r * n, n, gap))
-                raw_sent, floor_sent, ours_sent = (
-                    rounds[-1][k] for k in ("raw_sent", "floor_sent", "ours_sent")
-                )
+                got = _paired_round(bench, stamps, r * n, n, gap)
+                rounds.append(got)
                 log(
-                    f"  round {r + 1} pickup p50 {common.median(ours_sent):.2f} ms "
-                    f"(raw {common.median(raw_sent):.2f} ms, raw + claim "
-                    f"{common.median(floor_sent):.2f} ms), p99 "
-                    f"{common.percentile(ours_sent, 99):.2f} ms "
-                    f"(raw {common.percentile(raw_sent, 99):.2f} ms)"
+                    f"  round {r + 1} pickup p50 {common.median(got['ours_sent']):.2f} ms "
+                    f"(raw {common.median(got['raw_sent']):.2f} ms, raw + claim "
+                    f"{common.median(got['floor_sent']):.2f} ms), p99 "
+                    f"{common.percentile(got['ours_sent'], 99):.2f} ms "
+                    f"(raw {common.percentile(got['raw_sent'], 99):.2f} ms)"
                 )
         finally:
             worker.terminate()
