@@ -169,16 +169,22 @@ def test_a_worker_death_costs_unstarted_jobs_one_attempt(fq: FaultQueue, workers
                   SELECT 1 FROM {fq.side} s WHERE s.job_id = j.id AND s.attempt = j.attempts)"""
         )
 
+    # Exactly one death: a worker killed without catching any (it started
+    # them between the look and the kill) would have charged attempts too,
+    # and a job caught by two deaths has used both. So the worker is frozen
+    # to look, and let go on if it holds none.
+    worker = workers.start(fq, *args, lease=1.0)
     victims: list[Any] = []
-    for _ in range(5):
-        worker = workers.start(fq, *args, lease=1.0)
+    for _ in range(20):
         wait_until(unstarted, 30, "claimed jobs not started yet")
-        worker.kill(signal.SIGKILL)
-        worker.proc.wait(10)
-        victims = unstarted()  # the process is gone: these never started
+        worker.kill(signal.SIGSTOP)
+        victims = unstarted()  # frozen: these stay unstarted
         if victims:
             break
+        worker.kill(signal.SIGCONT)
     assert victims, "never caught the worker holding jobs it had not started"
+    worker.kill(signal.SIGKILL)
+    worker.proc.wait(10)
     workers.start(fq, *args, lease=1.0)
     wait_until(lambda: fq.done_count() >= len(ids), 120, "all jobs done")
     fq.check_all_done(ids)
