@@ -2,18 +2,20 @@
 
 One idle `jobq worker` (not burst, LISTEN active, poll interval 60 s so only
 a notification can wake it) runs the `stamp` task, whose handler writes
-time.time() as its first act. The enqueuer commits one job at a time with a
+time.time() as its first act. The producer commits one job at a time with a
 gap between them and records time.time() just before COMMIT and just after it
 returns. In the same round, job by job in turn with the worker's (so both
-are measured over the same seconds), the baseline: two psycopg connections, one
-LISTENing in a thread, the other running BEGIN; INSERT a row; NOTIFY; COMMIT
-(the same kind of transaction as an enqueue, whose COMMIT waits for the WAL
-flush) with the same two timestamps around the COMMIT, the listener recording
-when the notification arrives. A second baseline, the floor for any worker
-that must claim a job before running it: the same listener then runs the
-worker's claim statement and records when it returns. The raw side commits
-into its own queue table (`jobs_floor`, same schema and trigger), so its
-transactions are exactly an enqueue's.
+are measured over the same seconds), the baseline: a psycopg connection
+LISTENing in a thread, recording when the notification arrives. Both sides'
+jobs are committed the same way (`_producer`: a psycopg connection running
+INSERT; COMMIT, whose trigger sends the NOTIFY and whose COMMIT waits for the
+WAL flush), so the producer's own code costs them alike: through
+SQLAlchemy, the worker's side started its COMMIT about 15 us later. A
+second baseline, the floor for any worker that must claim a job before
+running it: the same listener then runs the worker's claim statement and
+records when it returns. The raw side commits into its own queue table
+(`jobs_floor`, same schema and trigger), so its transactions are exactly the
+worker's side's.
 
 Two figures per side:
 
@@ -38,8 +40,6 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-from sqlalchemy import create_engine
-from sqlalchemy.pool import NullPool
 
 from .. import common
 from ..common import Bench
@@ -93,7 +93,6 @@ def raw_floor(
     claimed: dict[int, float] = {}
     listener = bench.connect()
     claimer = psycopg.connect(bench.dsn, autocommit=True, prepare_threshold=0)
-    sender = psycopg.connect(bench.dsn)
     for _ in range(3):
         claimer.execute(claim_sql.sql, params).fetchall()
     listening = threading.Event()
@@ -111,24 +110,33 @@ def raw_floor(
             if STOP in seqs:
                 return
 
-    insert = f"INSERT INTO {FLOOR_TABLE} (task, payload) VALUES ('stamp', %s::jsonb)"
-
-    def one(seq: int) -> tuple[float, float]:
-        sender.execute(insert, (json.dumps({"seq": seq}),))
-        before = time.time()
-        sender.commit()
-        return before, time.time()
-
     thread = threading.Thread(target=listen, daemon=True)
     thread.start()
     listening.wait(10)
-    try:
-        yield one, received, claimed
-    finally:
-        one(STOP)
-        thread.join(10)
-        for conn in (listener, claimer, sender):
-            conn.close()
+    with _producer(bench, FLOOR_TABLE) as one:
+        try:
+            yield one, received, claimed
+        finally:
+            one(STOP)
+            thread.join(10)
+            for conn in (listener, claimer):
+                conn.close()
+
+
+@contextmanager
+def _producer(bench: Bench, table: str) -> Iterator[Callable[[int], tuple[float, float]]]:
+    """A call committing one `stamp` job into `table` in a transaction of its
+    own: the times just before COMMIT and just after it returned."""
+    insert = f"INSERT INTO {table} (task, payload) VALUES ('stamp', %s::jsonb)"
+    with psycopg.connect(bench.dsn) as sender:
+
+        def one(seq: int) -> tuple[float, float]:
+            sender.execute(insert, (json.dumps({"seq": seq}),))
+            before = time.time()
+            sender.commit()
+            return before, time.time()
+
+        yield one
 
 
 def _paired_round(
@@ -138,25 +146,14 @@ def _paired_round(
     turn, `gap` apart: both sides are measured over the same seconds, so a
     slower stretch of the machine costs them alike (in rounds of their own,
     one side's stretch could be slower than the other's)."""
-    from bench.tasks import stamp
-
-    engine = create_engine(bench.url, poolclass=NullPool)
     raw_sent: dict[int, tuple[float, float]] = {}
     ours_sent: dict[int, tuple[float, float]] = {}
-    try:
-        with raw_floor(bench) as (send, heard, claimed), engine.connect() as conn:
-            for i in range(count):
-                raw_sent[i] = send(i)
-                time.sleep(gap)
-                seq = first + i
-                trans = conn.begin()
-                stamp.enqueue(conn, seq=seq)
-                before = time.time()
-                trans.commit()
-                ours_sent[seq] = (before, time.time())
-                time.sleep(gap)
-    finally:
-        engine.dispose()
+    with raw_floor(bench) as (send, heard, claimed), _producer(bench, "jobs") as ours:
+        for i in range(count):
+            raw_sent[i] = send(i)
+            time.sleep(gap)
+            ours_sent[first + i] = ours(first + i)
+            time.sleep(gap)
     deadline = time.monotonic() + 10
     received: dict[int, float] = {}
     while time.monotonic() < deadline:
