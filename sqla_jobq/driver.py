@@ -92,14 +92,27 @@ def _text_array(values: Sequence[str | None]) -> str:
     return "{" + ",".join(quoted) + "}"
 
 
+def claim_statements(
+    table: Table, queues: Sequence[str], lease: timedelta
+) -> dict[str, ClauseElement]:
+    """A worker's claims: from the head of its queues, and, for one queue,
+    past a position (see `claim_cursor`)."""
+    queue: statements.Queues = queues[0] if len(queues) == 1 else list(queues)
+    claims: dict[str, ClauseElement] = {"claim": statements.claim(table, queue=queue, lease=lease)}
+    if isinstance(queue, str):
+        claims["claim_after"] = statements.claim(table, queue=queue, lease=lease, after=True)
+    return claims
+
+
 def lifecycle_statements(
     table: Table, queues: Sequence[str], lease: timedelta
 ) -> dict[str, Compiled]:
     """Every statement a worker's drivers run, compiled once for all of them."""
     queue: statements.Queues = queues[0] if len(queues) == 1 else list(queues)
     none: list[Key] = []
+    claims = claim_statements(table, queues, lease)
     sql = {
-        "claim": Compiled.of(statements.claim(table, queue=queue, lease=lease)),
+        **{name: Compiled.of(stmt) for name, stmt in claims.items()},
         "next_run_at_future": Compiled.of(
             statements.next_run_at(table, queue=queue, future_only=True)
         ),
@@ -121,9 +134,6 @@ def lifecycle_statements(
         "prune": Compiled.of(statements.prune(table, older_than=timedelta(0), skip_locked=True)),
         "limited": Compiled.of(queue_statements.limited(table, list(queues))),
     }
-    if isinstance(queue, str):
-        after = statements.claim(table, queue=queue, lease=lease, after=True)
-        sql["claim_after"] = Compiled.of(after)
     return sql
 
 

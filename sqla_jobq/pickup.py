@@ -7,7 +7,8 @@ a millisecond, a third again on top of the least any worker that claims can
 do (a blocking listener that claims at once). So while the loop sleeps with
 free slots, it *arms* this object with how many jobs it may take, and the
 listener's thread, already awake with the notification, claims on a blocking
-connection of its own and runs the first plain (sync) job's handler itself,
+connection of its own (on libpq directly: see `direct`) and runs the first
+plain (sync) job's handler itself,
 once it has handed listening to its partner thread (see `notify`); the
 claimed rows go to the loop, which owns them from there exactly as if it had
 claimed them itself (leases, outcomes, shutdown).
@@ -33,15 +34,12 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
 
 import psycopg
-from psycopg.rows import dict_row
-from psycopg.types.json import set_json_loads
 
 from .attempt import Attempt
-from .db import connect_kwargs, conninfo
-from .driver import Compiled, Row, raw_json
+from .direct import Bound, DirectConnection, Numbered
+from .driver import Row
 from .execute import OnThread, Runner
 from .job import CancelSignal
 from .notify import Handover
@@ -124,24 +122,23 @@ class IdlePickup:
     def __init__(
         self,
         url: str,
-        claims: Mapping[str, Compiled],
+        claims: Mapping[str, Numbered],
         prepared: bool,
         start: Callable[[Row], Started | None],
         deliver: Callable[[Picked], None],
     ) -> None:
-        self.url = conninfo(url)
         self.claims = claims  # `claim`, and `claim_after` (see `claim_cursor`)
-        self.prepared = prepared
+        self.conn = DirectConnection(url, prepared)
         self.start = start  # on this thread: the first row's handler, made ready to run here
         self.deliver = deliver  # on this thread: hand the claim to the worker's loop
         self.lock = threading.Lock()
         self.limit = 0  # armed: how many jobs the worker may take now (under lock)
         self.may_start = False  # armed with a free slot: the first job may start here
-        self.after: Position | None = None  # armed to claim past this position
+        self.query: Bound | None = None  # armed: the claim, its parameters dumped
+        self.from_head = True  # armed to claim from the head, not past a position
         self.claiming = False  # a claim is on its way to the loop (under lock)
         self.closed = False
         self.picked = 0  # claims made here, for tests and the curious
-        self._conn: psycopg.Connection[Row] | None = None
 
     # -- the loop's side --------------------------------------------------
 
@@ -151,12 +148,15 @@ class IdlePickup:
         """Let the listener's thread claim up to `limit` jobs (past `after`, as
         the loop's next claim would), and start the first there if
         `may_start` (a slot is free: `limit` may count prefetched jobs).
-        `again`: only if still armed (the loop asleep, nothing heard yet)."""
+        `again`: only if still armed (the loop asleep, nothing heard yet).
+        The claim's parameters are dumped here, off the listener's way."""
+        query = self._statement(limit, after)
         with self.lock:
             if not self.closed and not self.claiming and (self.limit > 0 or not again):
                 self.limit = limit
                 self.may_start = may_start
-                self.after = after
+                self.query = query
+                self.from_head = after is None
 
     def disarm(self) -> bool:
         """Take arming back; False while a claim made here has not reached the
@@ -179,12 +179,7 @@ class IdlePickup:
 
     def disconnect(self) -> None:
         """Close the connection (blocking; after `close`, with no claim in flight)."""
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            try:
-                conn.close()
-            except Exception as exc:  # a broken connection may not close cleanly
-                log.debug("closing the idle claim connection: %s", exc)
+        self.conn.close()
 
     # -- the listener's thread ----------------------------------------------
 
@@ -200,18 +195,19 @@ class IdlePickup:
             if limit <= 0 or self.closed:
                 return False
             self.claiming = True
-            may_start, after = self.may_start, self.after
+            may_start, query, from_head = self.may_start, self.query, self.from_head
         rows: list[Row] | None = None
         took = 0.0
         first: Started | None = None
         try:
-            rows, took = self._claim(limit, after)
+            assert query is not None  # armed with a limit: armed with its claim
+            rows, took = self._claim(query)
             first = self._start_first(rows or []) if may_start and here else None
         finally:
             # Always, whatever went wrong: the loop waits for this delivery
             # before it claims again, and owns every row in it.
             self.picked += 1
-            found = Picked(rows or [], None, took, limit, after is None, failed=rows is None)
+            found = Picked(rows or [], None, took, limit, from_head, failed=rows is None)
             if first is None:
                 self.deliver(found)
         if first is None:
@@ -240,33 +236,24 @@ class IdlePickup:
             log.exception("job %s: could not start it on the listener's thread", rows[0]["id"])
             return None
 
-    def _claim(self, limit: int, after: Position | None) -> tuple[list[Row] | None, float]:
+    def _claim(self, query: Bound) -> tuple[list[Row] | None, float]:
         """The rows claimed, or None if the database could not be asked (the
         loop, woken by the delivery anyway, then claims and retries itself);
         and the statement's round trip, without connecting: the claim cursor
         takes a slow claim for a sign of dead index entries."""
         try:
-            conn = self._connection()
-            stmt, params = self._statement(limit, after)
+            self.conn.connect()
             started = time.monotonic()
-            rows = conn.execute(stmt.sql, stmt.params(**params)).fetchall()
+            rows = self.conn.run(query)
             return rows, time.monotonic() - started
         except psycopg.Error as exc:
             log.info("idle claim failed (%s); the worker claims instead", exc)
-            if self._conn is not None and (self._conn.broken or self._conn.closed):
-                self.disconnect()
             return None, 0.0
 
-    def _statement(self, limit: int, after: Position | None) -> tuple[Compiled, dict[str, Any]]:
+    def _statement(self, limit: int, after: Position | None) -> Bound:
         if after is None:
-            return self.claims["claim"], {"limit": limit}
+            return self.claims["claim"].bind(limit=limit)
         priority, run_at, job_id = after
-        values = {"after_priority": priority, "after_run_at": run_at, "after_id": job_id}
-        return self.claims["claim_after"], {"limit": limit, **values}
-
-    def _connection(self) -> psycopg.Connection[Row]:
-        if self._conn is None or self._conn.closed:
-            conn = psycopg.connect(self.url, row_factory=dict_row, **connect_kwargs(self.prepared))
-            set_json_loads(raw_json, conn)
-            self._conn = conn
-        return self._conn
+        return self.claims["claim_after"].bind(
+            limit=limit, after_priority=priority, after_run_at=run_at, after_id=job_id
+        )

@@ -43,7 +43,8 @@ from .attempt import Attempt, Cancel, Key, Outcome, State
 from .capture import Captured
 from .claim_cursor import ClaimCursor
 from .db import RETRY_MAX, RETRY_START, sqlalchemy_url
-from .driver import Driver, lifecycle_statements
+from .direct import Numbered
+from .driver import Driver, claim_statements, lifecycle_statements
 from .execute import OnThread, Runner, Started, outcome_now, timed_out
 from .finisher import Finisher
 from .joblog import JobLog
@@ -257,9 +258,10 @@ class Worker:
         helpers = [asyncio.create_task(self.finisher.run(), name="finisher")]
         self.archiver.start()
         if not self.options.burst:
+            claims = claim_statements(self.registry.table, self.queues, self.claim_lease)
             self.pickup = IdlePickup(
                 self.options.database_url,
-                self.sql,
+                {name: Numbered.of(stmt) for name, stmt in claims.items()},
                 self.options.prepared,
                 Starter(self.registry, self.runner, self.claim_lease, loop, lambda: self.stopping),
                 functools.partial(_call_soon, loop, self._picked),

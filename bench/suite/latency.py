@@ -15,7 +15,11 @@ second baseline, the floor for any worker that must claim a job before
 running it: the same listener then runs the worker's claim statement and
 records when it returns. The raw side commits into its own queue table
 (`jobs_floor`, same schema and trigger), so its transactions are exactly the
-worker's side's.
+worker's side's. The floor claims in two ways, every other notification:
+through psycopg's `Connection.execute`, as a hand-written loop would, and on
+libpq directly with its parameters dumped ahead, as the worker's idle claim
+does (`sqla_jobq.direct`), the stricter floor: what is left between it and
+the worker is the worker's own cost.
 
 Two figures per side:
 
@@ -66,47 +70,62 @@ STOP = -999_999  # the sequence number that ends the listener
 
 @contextmanager
 def raw_floor(
-    bench: Bench,
-) -> Iterator[tuple[Callable[[int], tuple[float, float]], dict[int, float], dict[int, float]]]:
+    bench: Bench, *, libpq_every_other: bool = False
+) -> Iterator[
+    tuple[Callable[[int], tuple[float, float]], dict[int, float], dict[int, float], set[int]]
+]:
     """Raw LISTEN/NOTIFY, and the floor: the same plus one claim round trip
     (the least any worker that must claim before it runs a job can do): a
     call committing one job (the times just before COMMIT and just after it
-    returned), and when each job's notification arrived and its claim returned.
+    returned), when each job's notification arrived and its claim returned,
+    and the jobs claimed on libpq directly.
 
     The producer commits an enqueue's INSERT into `jobs_floor` (our schema: its
     trigger sends the NOTIFY); the listener records when the notification
     arrives, claims with the worker's own claim statement (prepared, autocommit)
-    and records when the claim returns.
+    and records when the claim returns. With `libpq_every_other`, every other
+    claim runs as the worker's idle claim does (`sqla_jobq.direct`).
     """
     from datetime import timedelta
 
     from sqlalchemy import MetaData
 
+    from sqla_jobq.direct import DirectConnection, Numbered
     from sqla_jobq.driver import Compiled
     from sqla_jobq.schema import jobs_table
     from sqla_jobq.statements import claim
 
     table = jobs_table(MetaData(), FLOOR_TABLE)
-    claim_sql = Compiled.of(claim(table, queue="default", lease=timedelta(minutes=5)))
+    stmt = claim(table, queue="default", lease=timedelta(minutes=5))
+    claim_sql = Compiled.of(stmt)
     params = claim_sql.params(limit=8)
+    bound = Numbered.of(stmt).bind(limit=8)
     received: dict[int, float] = {}
     claimed: dict[int, float] = {}
+    on_libpq: set[int] = set()
     listener = bench.connect()
     claimer = psycopg.connect(bench.dsn, autocommit=True, prepare_threshold=0)
+    direct = DirectConnection(bench.url, prepared=True)
     for _ in range(3):
         claimer.execute(claim_sql.sql, params).fetchall()
+        direct.run(bound)
     listening = threading.Event()
 
     def listen() -> None:
         listener.execute(f'LISTEN "public.{FLOOR_TABLE}"')
         listening.set()
-        for _ in listener.notifies():
+        for n, _ in enumerate(listener.notifies()):
             woke = time.time()
-            rows = claimer.execute(claim_sql.sql, params).fetchall()
+            if libpq_every_other and n % 2:
+                payloads = [json.loads(row["payload"]) for row in direct.run(bound)]
+            else:
+                payloads = [row[3] for row in claimer.execute(claim_sql.sql, params).fetchall()]
             now = time.time()
-            seqs = [int(row[3]["seq"]) for row in rows]
+            seqs = [int(payload["seq"]) for payload in payloads]
             for seq in seqs:
                 received[seq], claimed[seq] = woke, now
+            if libpq_every_other and n % 2:
+                on_libpq.update(seqs)
             if STOP in seqs:
                 return
 
@@ -115,12 +134,13 @@ def raw_floor(
     listening.wait(10)
     with _producer(bench, FLOOR_TABLE) as one:
         try:
-            yield one, received, claimed
+            yield one, received, claimed, on_libpq
         finally:
             one(STOP)
             thread.join(10)
             for conn in (listener, claimer):
                 conn.close()
+            direct.close()
 
 
 @contextmanager
@@ -148,7 +168,8 @@ def _paired_round(
     one side's stretch could be slower than the other's)."""
     raw_sent: dict[int, tuple[float, float]] = {}
     ours_sent: dict[int, tuple[float, float]] = {}
-    with raw_floor(bench) as (send, heard, claimed), _producer(bench, "jobs") as ours:
+    floor = raw_floor(bench, libpq_every_other=True)
+    with floor as (send, heard, claimed, on_libpq), _producer(bench, "jobs") as ours:
         for i in range(count):
             raw_sent[i] = send(i)
             time.sleep(gap)
@@ -162,12 +183,15 @@ def _paired_round(
             break
         time.sleep(0.05)
     raw, raw_ret = _deltas(raw_sent, heard)
-    floor_sent, _ = _deltas(raw_sent, claimed)
+    psycopg_sent = {seq: at for seq, at in raw_sent.items() if seq not in on_libpq}
+    floor_sent, _ = _deltas(psycopg_sent, claimed)
+    libpq_sent, _ = _deltas({seq: raw_sent[seq] for seq in on_libpq if seq in raw_sent}, claimed)
     ours, ours_ret = _deltas(ours_sent, received)
     return {
         "raw_sent": raw,
         "raw_ret": raw_ret,
         "floor_sent": floor_sent,
+        "libpq_floor_sent": libpq_sent,
         "ours_sent": ours,
         "ours_ret": ours_ret,
     }
@@ -221,7 +245,8 @@ def run(bench: Bench, log: Callable[[str], None]) -> dict[str, Any]:
                 log(
                     f"  round {r + 1} pickup p50 {common.median(got['ours_sent']):.2f} ms "
                     f"(raw {common.median(got['raw_sent']):.2f} ms, raw + claim "
-                    f"{common.median(got['floor_sent']):.2f} ms), p99 "
+                    f"{common.median(got['floor_sent']):.2f} ms, on libpq "
+                    f"{common.median(got['libpq_floor_sent']):.2f} ms), p99 "
                     f"{common.percentile(got['ours_sent'], 99):.2f} ms "
                     f"(raw {common.percentile(got['raw_sent'], 99):.2f} ms)"
                 )
@@ -237,6 +262,9 @@ def run(bench: Bench, log: Callable[[str], None]) -> dict[str, Any]:
     return summarize(rounds)
 
 
+SIDES = ("raw_sent", "raw_ret", "floor_sent", "libpq_floor_sent", "ours_sent", "ours_ret")
+
+
 def summarize(rounds: list[dict[str, list[float]]]) -> dict[str, Any]:
     def stat(key: str, fn: Callable[[list[float]], float]) -> float:
         return common.median([fn(r[key]) for r in rounds])
@@ -249,7 +277,7 @@ def summarize(rounds: list[dict[str, list[float]]]) -> dict[str, Any]:
 
     out: dict[str, Any] = {
         key: {"p50_ms": stat(key, p50), "p99_ms": stat(key, p99)}
-        for key in ("raw_sent", "raw_ret", "floor_sent", "ours_sent", "ours_ret")
+        for key in SIDES
     }
     out["ratio_p50_from_commit_sent"] = common.median(
         [common.ratio(p50(r["ours_sent"]), p50(r["raw_sent"])) for r in rounds]
@@ -259,6 +287,9 @@ def summarize(rounds: list[dict[str, list[float]]]) -> dict[str, Any]:
     )
     out["ratio_p50_vs_floor"] = common.median(
         [common.ratio(p50(r["ours_sent"]), p50(r["floor_sent"])) for r in rounds]
+    )
+    out["ratio_p50_vs_libpq_floor"] = common.median(
+        [common.ratio(p50(r["ours_sent"]), p50(r["libpq_floor_sent"])) for r in rounds]
     )
     out["added_p50_ms"] = common.median([p50(r["ours_sent"]) - p50(r["raw_sent"]) for r in rounds])
     out["samples_per_round"] = len(rounds[0]["ours_sent"]) if rounds else 0

@@ -221,11 +221,21 @@ def table(results: dict[str, Any]) -> list[Row]:
         )
         rf = lat["ratio_p50_vs_floor"]
         vs(
-            "pickup p50 vs raw LISTEN/NOTIFY + one claim round trip",
+            "pickup p50 vs raw LISTEN/NOTIFY + one claim (psycopg execute)",
             lat["ours_sent"]["p50_ms"],
             lat["floor_sent"]["p50_ms"],
             " ms",
             rf,
+        )
+        rl = lat["ratio_p50_vs_libpq_floor"]
+        vs(
+            "pickup p50 vs raw LISTEN/NOTIFY + one claim (libpq, as ours)",
+            lat["ours_sent"]["p50_ms"],
+            lat["libpq_floor_sent"]["p50_ms"],
+            " ms",
+            rl,
+            "<= 1.1x",
+            rl <= 1.1,
         )
         p99 = lat["ours_sent"]["p99_ms"]
         add(

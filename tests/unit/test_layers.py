@@ -23,7 +23,10 @@ LAYERS: list[tuple[str, set[str]]] = [
             "migrations",
         },
     ),
-    ("execution", {"client", "registry", "periodic", "driver", "notify", "waiting", "errors"}),
+    (
+        "execution",
+        {"client", "registry", "periodic", "driver", "direct", "notify", "waiting", "errors"},
+    ),
     (
         "worker",
         {
