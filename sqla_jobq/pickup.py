@@ -7,11 +7,11 @@ a millisecond, a third again on top of the least any worker that claims can
 do (a blocking listener that claims at once). So while the loop sleeps with
 free slots, it *arms* this object with how many jobs it may take, and the
 listener's thread, already awake with the notification, claims on a blocking
-connection of its own (on libpq directly: see `direct`) and runs the first
-plain (sync) job's handler itself,
-once it has handed listening to its partner thread (see `notify`); the
-claimed rows go to the loop, which owns them from there exactly as if it had
-claimed them itself (leases, outcomes, shutdown).
+connection of its own (on libpq directly, its parameters dumped when the
+loop armed it: see `direct`) and runs the first plain (sync) job's handler
+itself, once it has handed listening to its partner thread (see `notify`);
+the claimed rows go to the loop, which owns them from there exactly as if it
+had claimed them itself (leases, outcomes, shutdown).
 
 Only one side claims at a time. Arming is taken back by the first side to
 act: the listener's thread disarms before it claims, and the loop disarms
