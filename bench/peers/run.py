@@ -659,7 +659,7 @@ def run_pickup(
         for key, system in systems.items():
             stack.enter_context(system.idle_worker(stamps[key]))
         one = {k: stack.enter_context(s.producer()) for k, s in systems.items()}
-        raw_one, raw_received, raw_claimed, _ = stack.enter_context(latency.raw_floor(ours.bench))
+        raw_one, raw_received, raw_claimed = stack.enter_context(latency.raw_floor(ours.bench))
         one["raw"] = raw_one
         for key in systems:  # each worker is up: a job it ran, then a warm-up
             deadline = time.monotonic() + 60

@@ -93,9 +93,9 @@ def _timed(marks: list[float], call: Callable[..., Any]) -> Callable[..., Any]:
 def _instrument(heard: list[float], claims: list[tuple[float, float]]) -> None:
     original = pickup.IdlePickup._claim
 
-    def timed_claim(self: pickup.IdlePickup, limit: int, after: Any) -> Any:
+    def timed_claim(self: pickup.IdlePickup, query: Any) -> Any:
         sent = time.time()
-        rows, took = original(self, limit, after)
+        rows, took = original(self, query)
         if rows:
             claims.append((sent, time.time()))
         return rows, took
