@@ -219,24 +219,21 @@ def table(results: dict[str, Any]) -> list[Row]:
             "<= 1.25x",
             r <= 1.25,
         )
-        rf = lat["ratio_p50_vs_floor"]
-        vs(
-            "pickup p50 vs raw LISTEN/NOTIFY + one claim (psycopg execute)",
-            lat["ours_sent"]["p50_ms"],
-            lat["floor_sent"]["p50_ms"],
-            " ms",
-            rf,
-        )
-        rl = lat["ratio_p50_vs_libpq_floor"]
-        vs(
-            "pickup p50 vs raw LISTEN/NOTIFY + one claim (libpq, as ours)",
-            lat["ours_sent"]["p50_ms"],
-            lat["libpq_floor_sent"]["p50_ms"],
-            " ms",
-            rl,
-            "<= 1.1x",
-            rl <= 1.1,
-        )
+        # The floor claiming as a hand-written loop would, and as ours does (the goal's).
+        for floor, claiming, target in (
+            ("floor", "psycopg execute", None),
+            ("libpq_floor", "libpq, as ours", 1.1),
+        ):
+            rf = lat[f"ratio_p50_vs_{floor}"]
+            vs(
+                f"pickup p50 vs raw LISTEN/NOTIFY + one claim ({claiming})",
+                lat["ours_sent"]["p50_ms"],
+                lat[f"{floor}_sent"]["p50_ms"],
+                " ms",
+                rf,
+                f"<= {target}x" if target else "",
+                rf <= target if target else None,
+            )
         p99 = lat["ours_sent"]["p99_ms"]
         add(
             "pickup p99 (from COMMIT sent)",
