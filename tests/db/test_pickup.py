@@ -80,6 +80,23 @@ def test_an_idle_worker_runs_an_announced_plain_job_on_its_listening_thread(
     assert all(name.startswith(LISTENING) for name in _threads_of(side)), _threads_of(side)
 
 
+def test_an_idle_worker_of_two_queues_claims_for_either_on_its_listening_thread(
+    engine: Engine, table: Table, database_url: str, raw: Raw
+) -> None:
+    """Its claim takes the queues as an array parameter, dumped by the loop."""
+    side = Side(database_url, f"side_{table.name}")
+    registry = _recording(table, side)
+    with running(registry, database_url, poll_interval=60, queues=["a", "b"]) as run:
+        wait_until(lambda: run.worker.pickup is not None, 10, "the worker to start listening")
+        time.sleep(0.5)
+        ids = []
+        for queue in ("a", "b", "a"):
+            ids.append(enqueue(engine, table, "where", queue=queue))
+            wait_until(lambda: _done_once(raw, table, ids[-1]), 10, "the job to finish")
+        assert run.worker.pickup is not None and run.worker.pickup.picked >= 3
+    assert all(name.startswith(LISTENING) for name in _threads_of(side)), _threads_of(side)
+
+
 def test_an_async_job_heard_while_idle_runs_on_the_worker_loop(
     engine: Engine, table: Table, database_url: str, raw: Raw
 ) -> None:
