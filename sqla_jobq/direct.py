@@ -67,6 +67,8 @@ class Numbered:
 
 @dataclass(frozen=True)
 class Bound:
+    """A `Numbered` statement with its parameters dumped: what libpq sends."""
+
     sql: bytes
     params: Sequence[Buffer]
     types: tuple[int, ...]  # an int's type depends on its size: part of a prepared name's key
