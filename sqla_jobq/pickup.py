@@ -136,6 +136,7 @@ class IdlePickup:
         self.may_start = False  # armed with a free slot: the first job may start here
         self.query: Bound | None = None  # armed: the claim, its parameters dumped
         self.from_head = True  # armed to claim from the head, not past a position
+        self._bound: tuple[int, Position | None, Bound] | None = None  # the loop's last
         self.claiming = False  # a claim is on its way to the loop (under lock)
         self.closed = False
         self.picked = 0  # claims made here, for tests and the curious
@@ -251,9 +252,17 @@ class IdlePickup:
             return None, 0.0
 
     def _statement(self, limit: int, after: Position | None) -> Bound:
+        """The claim, bound; the loop's last one again if nothing changed: it
+        arms with the same values before every sleep, and again for every
+        slot a handler frees while it sleeps."""
+        if self._bound is not None and self._bound[:2] == (limit, after):
+            return self._bound[2]
         if after is None:
-            return self.claims["claim"].bind(limit=limit)
-        priority, run_at, job_id = after
-        return self.claims["claim_after"].bind(
-            limit=limit, after_priority=priority, after_run_at=run_at, after_id=job_id
-        )
+            query = self.claims["claim"].bind(limit=limit)
+        else:
+            priority, run_at, job_id = after
+            query = self.claims["claim_after"].bind(
+                limit=limit, after_priority=priority, after_run_at=run_at, after_id=job_id
+            )
+        self._bound = (limit, after, query)
+        return query
