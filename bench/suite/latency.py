@@ -85,6 +85,40 @@ def raw_floor(
     and records when the claim returns: through psycopg's `Connection.execute`,
     or `on_libpq` as the worker's idle claim does (`sqla_jobq.direct`).
     """
+    received: dict[int, float] = {}
+    claimed: dict[int, float] = {}
+    listening = threading.Event()
+    with bench.connect() as listener, _floor_claims(bench, on_libpq=on_libpq) as claim_now:
+
+        def listen() -> None:
+            listener.execute(f'LISTEN "public.{FLOOR_TABLE}"')
+            listening.set()
+            for _ in listener.notifies():
+                woke = time.time()
+                payloads = claim_now()
+                now = time.time()
+                seqs = [int(payload["seq"]) for payload in payloads]
+                for seq in seqs:
+                    received[seq], claimed[seq] = woke, now
+                if STOP in seqs:
+                    return
+
+        thread = threading.Thread(target=listen, daemon=True)
+        thread.start()
+        listening.wait(10)
+        with _producer(bench, FLOOR_TABLE) as one:
+            try:
+                yield one, received, claimed
+            finally:
+                one(STOP)
+                thread.join(10)
+
+
+@contextmanager
+def _floor_claims(bench: Bench, *, on_libpq: bool) -> Iterator[Callable[[], list[Any]]]:
+    """The floor's claim of up to 8 jobs with the worker's statement, warmed
+    up: a call returning their payloads. Through psycopg's `execute`
+    (prepared, autocommit), or `on_libpq` as the worker's idle claim runs."""
     from datetime import timedelta
 
     from sqlalchemy import MetaData
@@ -94,49 +128,31 @@ def raw_floor(
     from sqla_jobq.schema import jobs_table
     from sqla_jobq.statements import claim
 
-    table = jobs_table(MetaData(), FLOOR_TABLE)
-    stmt = claim(table, queue="default", lease=timedelta(minutes=5))
-    claim_sql = Compiled.of(stmt)
-    params = claim_sql.params(limit=8)
-    bound = Numbered.of(stmt).bind(limit=8)
-    received: dict[int, float] = {}
-    claimed: dict[int, float] = {}
-    listener = bench.connect()
-    claimer = psycopg.connect(bench.dsn, autocommit=True, prepare_threshold=0)
-    direct = DirectConnection(bench.url, prepared=True)
-    for _ in range(3):
-        claimer.execute(claim_sql.sql, params).fetchall()
-        direct.run(bound)
-    listening = threading.Event()
+    stmt = claim(jobs_table(MetaData(), FLOOR_TABLE), queue="default", lease=timedelta(minutes=5))
+    close: Callable[[], None]
+    if on_libpq:
+        direct = DirectConnection(bench.url, prepared=True)
+        bound = Numbered.of(stmt).bind(limit=8)
 
-    def listen() -> None:
-        listener.execute(f'LISTEN "public.{FLOOR_TABLE}"')
-        listening.set()
-        for _ in listener.notifies():
-            woke = time.time()
-            if on_libpq:
-                payloads = [json.loads(row["payload"]) for row in direct.run(bound)]
-            else:
-                payloads = [row[3] for row in claimer.execute(claim_sql.sql, params).fetchall()]
-            now = time.time()
-            seqs = [int(payload["seq"]) for payload in payloads]
-            for seq in seqs:
-                received[seq], claimed[seq] = woke, now
-            if STOP in seqs:
-                return
+        def claim_now() -> list[Any]:
+            return [json.loads(row["payload"]) for row in direct.run(bound)]
 
-    thread = threading.Thread(target=listen, daemon=True)
-    thread.start()
-    listening.wait(10)
-    with _producer(bench, FLOOR_TABLE) as one:
-        try:
-            yield one, received, claimed
-        finally:
-            one(STOP)
-            thread.join(10)
-            for conn in (listener, claimer):
-                conn.close()
-            direct.close()
+        close = direct.close
+    else:
+        claimer = psycopg.connect(bench.dsn, autocommit=True, prepare_threshold=0)
+        compiled = Compiled.of(stmt)
+        params = compiled.params(limit=8)
+
+        def claim_now() -> list[Any]:
+            return [row[3] for row in claimer.execute(compiled.sql, params).fetchall()]
+
+        close = claimer.close
+    try:
+        for _ in range(3):
+            claim_now()
+        yield claim_now
+    finally:
+        close()
 
 
 @contextmanager
