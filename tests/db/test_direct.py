@@ -12,7 +12,8 @@ from typing import Any
 
 import psycopg
 import pytest
-from sqlalchemy import Engine, Table
+from sqlalchemy import Engine, Table, func, select
+from sqlalchemy import table as sql_table
 
 from sqla_jobq.direct import DirectConnection, Numbered
 from sqla_jobq.driver import Driver, claim_statements, lifecycle_statements
@@ -96,9 +97,7 @@ def test_without_prepared_statements_the_session_prepares_nothing(
 
 
 def _prepared_statements() -> Any:
-    from sqlalchemy import func, select, table
-
-    return select(func.count().label("count")).select_from(table("pg_prepared_statements"))
+    return select(func.count().label("count")).select_from(sql_table("pg_prepared_statements"))
 
 
 def test_a_terminated_session_raises_once_and_the_next_claim_reconnects(
@@ -140,7 +139,5 @@ def test_a_claim_on_a_dropped_table_raises_the_server_error_and_loses_no_session
 
 
 def _pid(conn: DirectConnection) -> int:
-    from sqlalchemy import func, select
-
     (found,) = conn.run(Numbered.of(select(func.pg_backend_pid().label("pid"))).bind())
     return int(found["pid"])
