@@ -24,11 +24,11 @@ from .capture import Captured, capture
 SWITCH_INTERVAL = 0.001
 
 # A handler's call, and the future its outcome resolves on the loop.
-Job = tuple["asyncio.Future[Captured]", Callable[[], object]]
+HandlerCall = tuple["asyncio.Future[Captured]", Callable[[], object]]
 # A job a thread starts by itself, in the slot its last job freed (see
 # `HandlerThreads.follow`): what the loop calls to hear of it, and the job to
 # run on that thread (None: the loop runs it).
-Follow = tuple[Callable[[], None], Job | None]
+Follow = tuple[Callable[[], None], HandlerCall | None]
 
 
 def hand_the_gil_over_sooner() -> None:
@@ -63,7 +63,7 @@ class HandlerThreads:
     def __init__(self, size: int, spread_after: float = 0.001) -> None:
         self.size = size
         self.spread_after = spread_after
-        self.pending: deque[Job] = deque()
+        self.pending: deque[HandlerCall] = deque()
         self.permits: queue.SimpleQueue[None] = queue.SimpleQueue()  # C, unlike Semaphore
         self.threads: list[threading.Thread] = []
         self.lock = threading.Lock()
@@ -156,7 +156,7 @@ class HandlerThreads:
                     return
                 job = job or self._handed_over()
 
-    def _handed_over(self) -> Job | None:
+    def _handed_over(self) -> HandlerCall | None:
         while True:
             try:
                 future, call = self.pending.popleft()
