@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
@@ -382,30 +382,71 @@ class Glimpse:
     t: float  # seconds since the scene's clock started
     cpu_s: float  # user + system seconds the worker processes have used so far
     waits: list[str]  # one per active worker session: "CPU", "WAL", or the wait event
+    # Every server process seen: pid -> (its role, user + system seconds so far).
+    server: dict[int, tuple[str, float]] = field(default_factory=dict)
 
 
 class Watch(threading.Thread):
     """Every WATCH_SECONDS: what each active worker session waits on
-    (`pg_stat_activity`) and the worker processes' CPU time (`/proc`), so a
-    stall can be placed: the server's WAL flush, a lock, or the worker itself."""
+    (`pg_stat_activity`), the worker processes' CPU time, and every server
+    process's CPU time with the role of its session (`/proc`; the cluster is
+    local), so a stall can be placed: the server's WAL flush, a lock, the
+    worker itself, or a server process (autovacuum, the archiver, the scene's
+    own sampling) taking the cores."""
 
     def __init__(self, dsn: str, t0: float, pids: Sequence[int]) -> None:
         super().__init__(daemon=True)
         self.dsn, self.t0, self.pids = dsn, t0, list(pids)
         self.glimpses: list[Glimpse] = []
+        self.roles: dict[int, str] = {}
         self.stop = threading.Event()
 
     def run(self) -> None:
         with psycopg.connect(self.dsn, autocommit=True) as conn:
             while not self.stop.wait(WATCH_SECONDS):
                 rows = conn.execute(
-                    "SELECT wait_event_type, wait_event FROM pg_stat_activity "
-                    "WHERE application_name LIKE 'jobq worker%%' AND state = 'active'"
+                    "SELECT pid, backend_type, application_name, state, wait_event_type, "
+                    "wait_event, left(query, 40) FROM pg_stat_activity"
                 ).fetchall()
-                waits = [_wait_class(kind, event) for kind, event in rows]
+                waits = [
+                    _wait_class(kind, event)
+                    for _, _, app, state, kind, event, _ in rows
+                    if (app or "").startswith("jobq worker") and state == "active"
+                ]
+                server = {}
+                for pid, backend, app, _, _, _, query in rows:
+                    self.roles[pid] = _role(self.roles.get(pid), backend, app, query)
+                    cpu = common.proc_cpu(pid)
+                    if cpu is not None:
+                        server[pid] = (self.roles[pid], cpu)
                 t = time.monotonic() - self.t0
                 cpu = sum(common.proc_cpu(pid) or 0.0 for pid in self.pids)
-                self.glimpses.append(Glimpse(t, cpu, waits))
+                self.glimpses.append(Glimpse(t, cpu, waits, server))
+
+
+def _role(known: str | None, backend: str | None, app: str | None, query: str | None) -> str:
+    """What a server process works for, from its process type or the first
+    words of its session's statements (the claim connection also reads the
+    dead-tuple count, and the listener's connection looks up the next due
+    job between claims: a session keeps the first role it showed)."""
+    if backend != "client backend":
+        return backend or "other"
+    if known not in (None, "scene", "worker other"):
+        return known
+    q = " ".join((query or "").split()).upper()
+    if (app or "").startswith("jobq worker"):
+        return next((role for role, words in WORKER_ROLES if q.startswith(words)), "worker other")
+    return "producer" if q.startswith(("INSERT", "WITH INPUT")) else "scene"
+
+
+# The first words of each worker session's statements (`statements.py`).
+WORKER_ROLES = (
+    ("claim", ("WITH NEXT", "SELECT MIN(")),
+    ("finish", ("UPDATE",)),
+    ("archiver", ("WITH MOVED", "DELETE")),
+    ("worker vacuum", ("VACUUM",)),
+    ("listen", ("LISTEN",)),
+)
 
 
 def _wait_class(kind: str | None, event: str | None) -> str:
@@ -414,12 +455,32 @@ def _wait_class(kind: str | None, event: str | None) -> str:
     return "WAL" if event in WAL_WAITS else f"{kind}:{event}"
 
 
+def server_cores(glimpses: Sequence[Glimpse]) -> dict[str, float]:
+    """Cores each role of server process used between the first and the last
+    glimpse (a process that came or went in between counts for the glimpses
+    it was in), the busiest first."""
+    if len(glimpses) < 2 or glimpses[-1].t <= glimpses[0].t:
+        return {}
+    first: dict[int, float] = {}
+    last: dict[int, tuple[str, float]] = {}
+    for g in glimpses:
+        for pid, (role, cpu) in g.server.items():
+            first.setdefault(pid, cpu)
+            last[pid] = (role, cpu)
+    seconds = glimpses[-1].t - glimpses[0].t
+    out: dict[str, float] = {}
+    for pid, (role, cpu) in last.items():
+        out[role] = out.get(role, 0.0) + (cpu - first[pid]) / seconds
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
 def watch_summary(glimpses: Sequence[Glimpse], start: float, end: float) -> dict[str, Any]:
     """Between two times of the scene: the worker processes' CPU in cores,
-    and the share of active worker-session glimpses per wait class."""
+    the share of active worker-session glimpses per wait class, and the
+    server's cores per role."""
     inside = [g for g in glimpses if start <= g.t < end]
     if len(inside) < 2:
-        return {"worker_cpu_cores": float("nan"), "waits": {}}
+        return {"worker_cpu_cores": float("nan"), "waits": {}, "server_cores": {}}
     first, last = inside[0], inside[-1]
     cores = (last.cpu_s - first.cpu_s) / (last.t - first.t) if last.t > first.t else float("nan")
     counts: dict[str, int] = {}
@@ -428,4 +489,8 @@ def watch_summary(glimpses: Sequence[Glimpse], start: float, end: float) -> dict
             counts[w] = counts.get(w, 0) + 1
     total = sum(counts.values()) or 1
     top = sorted(counts.items(), key=lambda kv: -kv[1])
-    return {"worker_cpu_cores": cores, "waits": {k: v / total for k, v in top}}
+    return {
+        "worker_cpu_cores": cores,
+        "waits": {k: v / total for k, v in top},
+        "server_cores": server_cores(inside),
+    }

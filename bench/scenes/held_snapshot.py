@@ -284,6 +284,7 @@ def _watch_lines(r: dict[str, Any]) -> list[str]:
             f"{phase}: worker process {w['worker_cpu_cores']:.2f} cores; its active "
             f"sessions: {waits or 'none seen'}"
         )
+        lines.append("  " + _server_line(w.get("server_cores", {}), _done_per_s(r, phase)))
     worst = sorted(r.get("per_second", []), key=lambda x: -x["pickup_p99_ms"])[:5]
     if worst:
         lines.append(
@@ -295,3 +296,18 @@ def _watch_lines(r: dict[str, Any]) -> list[str]:
             )
         )
     return lines
+
+
+def _done_per_s(r: dict[str, Any], phase: str) -> float:
+    """Jobs completed a second in a phase's buckets ("warm" includes its first)."""
+    inside = [b for b in r["buckets"] if b["phase"] == phase]
+    every = (r["buckets"][1]["start"] - r["buckets"][0]["start"]) if len(r["buckets"]) > 1 else 10
+    return sum(b["completed"] for b in inside) / (every * len(inside)) if inside else 0.0
+
+
+def _server_line(cores: dict[str, float], done_per_s: float) -> str:
+    """The server's cores in a phase, the busiest roles, and CPU per job."""
+    total = sum(cores.values())
+    per_job = f", {1e6 * total / done_per_s:.0f} us per job completed" if done_per_s else ""
+    roles = ", ".join(f"{k} {v:.2f}" for k, v in list(cores.items())[:7])
+    return f"server {total:.2f} cores{per_job}: {roles or 'none seen'}"
