@@ -320,6 +320,7 @@ class Bucket:
     pickup_p50_ms: float
     pickup_p99_ms: float
     unstarted: int  # jobs created in the bucket and not started by the end
+    archived: int = 0  # jobs moved to the archive by batches that began in the bucket
 
 
 def buckets(
@@ -355,10 +356,21 @@ def buckets(
             {"e": epoch0, "w": every},
         ).fetchall()
     }
+    # archived_at is the moving batch's transaction start.
+    archived = {
+        int(b): int(n)
+        for b, n in conn.execute(
+            "SELECT floor((extract(epoch FROM archived_at) - %(e)s) / %(w)s), count(*) "
+            "FROM jobs_archive WHERE archived_at >= to_timestamp(%(e)s) GROUP BY 1",
+            {"e": epoch0, "w": every},
+        ).fetchall()
+    }
     out = []
     for b in range(int(seconds // every)):
         n, p50, p99, unstarted = made.get(b, (0, float("nan"), float("nan"), 0))
-        out.append(Bucket(b * every, n, done.get(b, 0), p50, p99, unstarted))
+        out.append(
+            Bucket(b * every, n, done.get(b, 0), p50, p99, unstarted, archived.get(b, 0))
+        )
     return out
 
 

@@ -285,13 +285,14 @@ def _watch_lines(r: dict[str, Any]) -> list[str]:
             f"sessions: {waits or 'none seen'}"
         )
         lines.append("  " + _server_line(w.get("server_cores", {}), _done_per_s(r, phase)))
+    lines += _archive_overlap(r)
     worst = sorted(r.get("per_second", []), key=lambda x: -x["pickup_p99_ms"])[:5]
     if worst:
         lines.append(
-            "slowest seconds (t: pickup p99, jobs created / finished): "
+            "slowest seconds (t: pickup p99, jobs created / finished / archived): "
             + "; ".join(
                 f"{x['start']:.0f} s: {x['pickup_p99_ms']:,.0f} ms, "
-                f"{x['offered']:,} / {x['completed']:,}"
+                f"{x['offered']:,} / {x['completed']:,} / {x.get('archived', 0):,}"
                 for x in sorted(worst, key=lambda x: x["start"])
             )
         )
@@ -311,3 +312,20 @@ def _server_line(cores: dict[str, float], done_per_s: float) -> str:
     per_job = f", {1e6 * total / done_per_s:.0f} us per job completed" if done_per_s else ""
     roles = ", ".join(f"{k} {v:.2f}" for k, v in list(cores.items())[:7])
     return f"server {total:.2f} cores{per_job}: {roles or 'none seen'}"
+
+
+def _archive_overlap(r: dict[str, Any]) -> list[str]:
+    """Do the slow seconds follow the archiver's batches? The share of slow
+    seconds (pickup p99 over twice the clean bucket p99) in or just after a
+    second in which an archive batch began, against that share of all seconds."""
+    per = r.get("per_second", [])
+    if not per or r["clean_pickup_p99_ms"] != r["clean_pickup_p99_ms"]:
+        return []
+    moving = {int(x["start"]) for x in per if x.get("archived")}
+    near = [int(x["start"]) in moving or int(x["start"]) - 1 in moving for x in per]
+    slow = [x["pickup_p99_ms"] > 2 * r["clean_pickup_p99_ms"] for x in per]
+    hits = sum(1 for n, sl in zip(near, slow, strict=True) if n and sl)
+    return [
+        f"slow seconds (p99 over 2x clean): {sum(slow)}, {hits} of them in or just after "
+        f"an archive batch's second ({sum(near) / len(per):.0%} of all seconds are)"
+    ]
