@@ -344,27 +344,10 @@ def buckets(
             {"e": epoch0, "w": every, "end": epoch0 + seconds},
         ).fetchall()
     }
-    done = {
-        int(b): int(n)
-        for b, n in conn.execute(
-            """
-            SELECT floor((extract(epoch FROM finished_at) - %(e)s) / %(w)s), count(*)
-            FROM """
-            + common.with_archive("jobs", common.FINISHED_COLUMNS)
-            + """ WHERE finished_at >= to_timestamp(%(e)s) GROUP BY 1
-            """,
-            {"e": epoch0, "w": every},
-        ).fetchall()
-    }
+    finished = common.with_archive("jobs", common.FINISHED_COLUMNS)
+    done = _count_per_bucket(conn, "finished_at", finished, epoch0, every)
     # archived_at is the moving batch's transaction start.
-    archived = {
-        int(b): int(n)
-        for b, n in conn.execute(
-            "SELECT floor((extract(epoch FROM archived_at) - %(e)s) / %(w)s), count(*) "
-            "FROM jobs_archive WHERE archived_at >= to_timestamp(%(e)s) GROUP BY 1",
-            {"e": epoch0, "w": every},
-        ).fetchall()
-    }
+    archived = _count_per_bucket(conn, "archived_at", "jobs_archive", epoch0, every)
     out = []
     for b in range(int(seconds // every)):
         n, p50, p99, unstarted = made.get(b, (0, float("nan"), float("nan"), 0))
@@ -372,6 +355,20 @@ def buckets(
             Bucket(b * every, n, done.get(b, 0), p50, p99, unstarted, archived.get(b, 0))
         )
     return out
+
+
+def _count_per_bucket(
+    conn: psycopg.Connection[Any], column: str, source: str, epoch0: float, every: float
+) -> dict[int, int]:
+    """Rows of `source` per bucket of `every` seconds of `column` from `epoch0` on."""
+    return {
+        int(b): int(n)
+        for b, n in conn.execute(
+            f"SELECT floor((extract(epoch FROM {column}) - %(e)s) / %(w)s), count(*) "
+            f"FROM {source} WHERE {column} >= to_timestamp(%(e)s) GROUP BY 1".encode(),
+            {"e": epoch0, "w": every},
+        ).fetchall()
+    }
 
 
 MB = 1024 * 1024

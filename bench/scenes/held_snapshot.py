@@ -25,6 +25,7 @@ created_at`: the server's enqueue-to-claim time) p50 and p99.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import asdict
@@ -292,7 +293,7 @@ def _watch_lines(r: dict[str, Any]) -> list[str]:
             "slowest seconds (t: pickup p99, jobs created / finished / archived): "
             + "; ".join(
                 f"{x['start']:.0f} s: {x['pickup_p99_ms']:,.0f} ms, "
-                f"{x['offered']:,} / {x['completed']:,} / {x.get('archived', 0):,}"
+                f"{x['offered']:,} / {x['completed']:,} / {x['archived']:,}"
                 for x in sorted(worst, key=lambda x: x["start"])
             )
         )
@@ -319,9 +320,9 @@ def _archive_overlap(r: dict[str, Any]) -> list[str]:
     seconds (pickup p99 over twice the clean bucket p99) in or just after a
     second in which an archive batch began, against that share of all seconds."""
     per = r.get("per_second", [])
-    if not per or r["clean_pickup_p99_ms"] != r["clean_pickup_p99_ms"]:
+    if not per or math.isnan(r["clean_pickup_p99_ms"]):
         return []
-    moving = {int(x["start"]) for x in per if x.get("archived")}
+    moving = {int(x["start"]) for x in per if x["archived"]}
     near = [int(x["start"]) in moving or int(x["start"]) - 1 in moving for x in per]
     slow = [x["pickup_p99_ms"] > 2 * r["clean_pickup_p99_ms"] for x in per]
     hits = sum(1 for n, sl in zip(near, slow, strict=True) if n and sl)
