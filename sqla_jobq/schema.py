@@ -44,7 +44,7 @@ RUNNING_WHERE = "status = 'running' AND locked_until IS NOT NULL"
 # The schema version this code needs. The migrations record the version they
 # applied as the table's comment (as Oban does), so a worker can refuse to run
 # on a missing or outdated table, and a custom-named table carries its own.
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 # The version of the step that last changed the archive table's shape. Its
 # comment carries it, so a host's `include_object` recognises the archive too.
 ARCHIVE_VERSION = 5
@@ -76,6 +76,17 @@ QUEUE_TABLE_SETTINGS: dict[str, str] = {
     "autovacuum_analyze_scale_factor": "0",
     "autovacuum_analyze_threshold": "5000",
 }
+
+# Schema version 8: VACUUM never truncates the jobs table. Truncating the
+# empty pages at a table's end takes an ACCESS EXCLUSIVE lock, which stops
+# every claim, enqueue and completion while it is held. A queue table's tail
+# is empty often (its rows come and go within seconds, and even more so when
+# completions move jobs to the archive), and after a long transaction
+# elsewhere has let it grow, each VACUUM that finds its tail empty takes that
+# lock again: in bench.scenes held-snapshot the slowest seconds after the
+# release were those truncations. The pages stay allocated and are reused
+# for new jobs instead; `VACUUM (TRUNCATE)` by hand gives them back.
+NO_TRUNCATE_SETTINGS: dict[str, str] = {"vacuum_truncate": "off"}
 
 
 def version_comment(version: int) -> str:
@@ -341,8 +352,8 @@ def jobs_table(metadata: MetaData, name: str = "jobs", schema: str | None = None
         ),
         schema=schema,
         comment=version_comment(SCHEMA_VERSION),
-        # So `metadata.create_all` builds the table step 6 leaves (SQLAlchemy 2.1+).
-        postgresql_with=dict(QUEUE_TABLE_SETTINGS),
+        # So `metadata.create_all` builds the table steps 6 and 8 leave (SQLAlchemy 2.1+).
+        postgresql_with={**QUEUE_TABLE_SETTINGS, **NO_TRUNCATE_SETTINGS},
     )
 
 

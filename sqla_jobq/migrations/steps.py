@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..schema import (
+    NO_TRUNCATE_SETTINGS,
     QUEUE_TABLE_SETTINGS,
     RUNNING_WHERE,
     UNIQUE_WHERE,
@@ -533,6 +534,16 @@ def _v7_down(n: Names) -> list[str]:
     return [*_ready_index(n, "queue, run_at"), _claim_slots(n, _claim_slots_body(n), replace=True)]
 
 
+def _v8_up(n: Names) -> list[str]:
+    # A SHARE UPDATE EXCLUSIVE lock, as step 6's: claims and completions go on.
+    options = ", ".join(f"{name} = {value}" for name, value in NO_TRUNCATE_SETTINGS.items())
+    return [f"ALTER TABLE {n.qualified} SET ({options})"]
+
+
+def _v8_down(n: Names) -> list[str]:
+    return [f"ALTER TABLE {n.qualified} RESET ({', '.join(NO_TRUNCATE_SETTINGS)})"]
+
+
 STEPS: tuple[Step, ...] = (
     Step(
         1,
@@ -596,6 +607,15 @@ STEPS: tuple[Step, ...] = (
         "index's predicate, so the count uses that index instead of reading the table",
         _v7_up,
         _v7_down,
+    ),
+    Step(
+        8,
+        "VACUUM never truncates the jobs table (`vacuum_truncate = off`): truncation "
+        "takes an ACCESS EXCLUSIVE lock that stops every claim and completion while "
+        "held, and a queue table's tail is empty again and again; the empty pages are "
+        "reused for new jobs instead",
+        _v8_up,
+        _v8_down,
     ),
 )
 

@@ -30,7 +30,13 @@ from sqla_jobq import client, statements
 from sqla_jobq.db import conninfo, parse_url, sqlalchemy_url
 from sqla_jobq.migrations import SchemaError, check_schema
 from sqla_jobq.migrations.steps import LATEST, up_statements
-from sqla_jobq.schema import QUEUE_TABLE_SETTINGS, Names, jobs_table, parse_version_comment
+from sqla_jobq.schema import (
+    NO_TRUNCATE_SETTINGS,
+    QUEUE_TABLE_SETTINGS,
+    Names,
+    jobs_table,
+    parse_version_comment,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 QUEUE_V1_RELATIONS = {
@@ -278,13 +284,43 @@ def test_step_7_ends_the_ready_index_in_id_counts_running_jobs_by_lease_and_down
     assert table_comment(fresh_db, "jobs") == "sqla_jobq schema version 6"
 
 
-def test_a_fresh_table_at_the_latest_version_has_exactly_the_step_6_settings(
+def test_step_8_turns_truncation_off_on_the_jobs_table_alone_and_down_turns_it_back_on(
+    fresh_db: str,
+) -> None:
+    alembic(REPO_ROOT, "upgrade", "sqla_jobq_0007", url=fresh_db)
+    with psycopg.connect(conninfo(fresh_db), autocommit=True) as conn:
+        conn.execute("INSERT INTO jobs (payload) VALUES ('{}')")
+    assert reloptions(fresh_db, "jobs") == STEP_6_RELOPTIONS
+
+    alembic(REPO_ROOT, "upgrade", "sqla_jobq_0008", url=fresh_db)
+    assert reloptions(fresh_db, "jobs") == [*STEP_6_RELOPTIONS, STEP_8_RELOPTION]
+    assert table_comment(fresh_db, "jobs") == "sqla_jobq schema version 8"
+    for side in ("jobs_archive", "jobs_queues", "jobs_workers", "jobs_schedules"):
+        assert reloptions(fresh_db, side) is None
+    with psycopg.connect(conninfo(fresh_db), autocommit=True) as conn:
+        conn.execute("DELETE FROM jobs")
+        conn.execute("VACUUM jobs")
+        assert conn.execute("SELECT pg_relation_size('jobs') > 0").fetchone() == (True,)
+        conn.execute("VACUUM (TRUNCATE) jobs")
+        assert conn.execute("SELECT pg_relation_size('jobs')").fetchone() == (0,)
+
+    alembic(REPO_ROOT, "downgrade", "sqla_jobq_0007", url=fresh_db)
+    assert reloptions(fresh_db, "jobs") == STEP_6_RELOPTIONS
+    assert table_comment(fresh_db, "jobs") == "sqla_jobq schema version 7"
+
+
+# Step 8's setting, spelled out for the same reason as step 6's.
+STEP_8_RELOPTION = "vacuum_truncate=off"
+
+
+def test_a_fresh_table_at_the_latest_version_has_exactly_the_settings_of_steps_6_and_8(
     fresh_db: str,
 ) -> None:
     alembic(REPO_ROOT, "upgrade", "head", url=fresh_db)
     assert parse_version_comment(table_comment(fresh_db, "jobs")) == LATEST
-    assert reloptions(fresh_db, "jobs") == STEP_6_RELOPTIONS
+    assert reloptions(fresh_db, "jobs") == [*STEP_6_RELOPTIONS, STEP_8_RELOPTION]
     assert dict(o.split("=") for o in STEP_6_RELOPTIONS) == QUEUE_TABLE_SETTINGS
+    assert dict([STEP_8_RELOPTION.split("=")]) == NO_TRUNCATE_SETTINGS
 
 
 # --- b) a host app with its own Alembic project -----------------------------------
