@@ -51,13 +51,19 @@ log = logging.getLogger("sqla_jobq.archive")
 BATCH = 5_000
 # Between two passes of a worker that keeps finishing jobs: a done job stays
 # in the jobs table at most `archive_after` plus this. Shorter for a short
-# `archive_after` ("0": as soon as possible), never under MIN_INTERVAL. Each
+# `archive_after`, never under MIN_INTERVAL (0 is SWEEP_INTERVAL, below). Each
 # pass leaves a dead row version per job it moved, all at once, until the
 # next VACUUM: at 9,000 jobs/s 5 s of jobs is 45,000 of them (bench.scenes
 # bloat-at-peak), 10 s would double that; each pass also reads the whole
 # heap once, which a shorter interval repeats.
 INTERVAL = 5.0
 MIN_INTERVAL = 1.0
+# Between two passes when the worker's completions move its jobs themselves
+# (`archive_after` 0: `statements.complete_to_archive`): a pass then only
+# sweeps up what finished otherwise (jobs someone waited on, completed in
+# place so their row trigger fires; jobs completed by an app's own
+# statements), and reads the whole heap to find them.
+SWEEP_INTERVAL = 30.0
 # After a pass that failed: the first wait, doubling up to BACKOFF_MAX.
 BACKOFF_START = 2.0
 BACKOFF_MAX = 60.0
@@ -92,6 +98,8 @@ class Archiver:
         )
         seconds = 0.0 if after is None else after.total_seconds()
         self.interval = min(INTERVAL, max(MIN_INTERVAL, seconds))
+        if after == timedelta(0):
+            self.interval = SWEEP_INTERVAL
         self.refused = False
         self.seen: int | None = None  # `finished()` at the last pass; None: pass due
         self.tail_at: float | None = None  # one more pass then, for the last jobs

@@ -142,8 +142,8 @@ def parse_archive_after(text: str) -> timedelta | None:
         return parse_duration(text)
     except UsageError:
         raise UsageError(
-            f"bad --archive-after {text!r}: use a duration (e.g. 60s, 15m, 7d; 0: as soon "
-            "as possible) or never"
+            f"bad --archive-after {text!r}: use a duration (e.g. 60s, 15m, 7d; 0: as each "
+            "job completes) or never"
         ) from None
 
 
@@ -562,7 +562,8 @@ def worker(
         typer.Option(
             envvar="JOBQ_ARCHIVE_AFTER",
             help="Move done jobs finished this long ago to TABLE_archive, in batches, in "
-            "the background (e.g. 60s, 1h; 0: as soon as possible; never: keep them).",
+            "the background (e.g. 60s, 1h; 0: as each one completes, in the same statement; "
+            "never: keep them).",
         ),
     ] = "60s",
     log_level: Annotated[

@@ -116,12 +116,7 @@ def lifecycle_statements(
         "next_run_at_future": Compiled.of(
             statements.next_run_at(table, queue=queue, future_only=True)
         ),
-        "complete": Compiled.of(statements.complete_many(table, none)),
-        "complete_results": Compiled.of(statements.complete_many(table, none, [])),
-        "complete_skipping": Compiled.of(statements.complete_many(table, none, skip_locked=True)),
-        "complete_results_skipping": Compiled.of(
-            statements.complete_many(table, none, [], skip_locked=True)
-        ),
+        **_completions(table),
         "fates": Compiled.of(statements.fates(table, none)),
         "fail": Compiled.of(statements.fail(table, 0, 0, "")),
         "extend_leases": Compiled.of(statements.extend_leases(table, none, lease)),
@@ -135,6 +130,23 @@ def lifecycle_statements(
         "limited": Compiled.of(queue_statements.limited(table, list(queues))),
     }
     return sql
+
+
+def _completions(table: Table) -> dict[str, Compiled]:
+    """Each form of the batch completion `Driver.complete_many` picks from:
+    in place or into the archive, with or without results, waiting on a
+    locked row or skipping it."""
+    none: list[Key] = []
+    forms: dict[str, Compiled] = {}
+    for where, build in (
+        ("", statements.complete_many),
+        ("_archiving", statements.complete_to_archive),
+    ):
+        for results, given in (("", None), ("_results", [])):
+            for skipping in ("", "_skipping"):
+                stmt = build(table, none, given, skip_locked=bool(skipping))
+                forms["complete" + where + results + skipping] = Compiled.of(stmt)
+    return forms
 
 
 class Driver:
@@ -209,10 +221,14 @@ class Driver:
         results: Sequence[str | None] | None = None,
         *,
         skip_locked: bool = False,
+        archive: bool = False,
     ) -> set[Key]:
         """Complete a batch; `results` (JSON text or None per key) are stored
-        with it, by a second compiled form so result-less batches stay lean."""
-        name = "complete" + ("" if results is None else "_results")
+        with it, by a second compiled form so result-less batches stay lean;
+        `archive` moves the jobs to the archive as it completes them
+        (`statements.complete_to_archive`)."""
+        name = "complete" + ("_archiving" if archive else "")
+        name += "" if results is None else "_results"
         name += "_skipping" if skip_locked else ""
         return await self._matched(name, keys, **_pairs(keys, results))
 

@@ -47,6 +47,10 @@ BUSY_RETRY = 0.2
 FLUSH_GAP = 0.005
 FLUSH_BATCH = 48
 
+# After a completion into the archive found something locked in its way,
+# completions are recorded in place this long before the archive is tried again.
+ARCHIVE_REST = 5.0
+
 # (attempt, what happened as a log phrase, its kind: done, retry, failed,
 # cancelled or lost).
 Settled = Callable[[Attempt, str, str], None]
@@ -55,9 +59,11 @@ Settled = Callable[[Attempt, str, str], None]
 class Finisher:
     """Records the outcomes of finished attempts and reports each one settled."""
 
-    def __init__(self, driver: Driver, settled: Settled) -> None:
+    def __init__(self, driver: Driver, settled: Settled, *, archive: bool = False) -> None:
         self.driver = driver
         self.settled = settled
+        self.archive = archive  # completions move their jobs to the archive
+        self.archive_rest_until = 0.0  # until then, complete in place (see `_done`)
         self.pending: dict[Key, Attempt] = {}
         self.not_before: dict[Key, float] = {}  # busy rows and failed round trips
         self.delay = RETRY_START
@@ -136,15 +142,36 @@ class Finisher:
         results = [_result_of(a) for a in batch]
         keys = [a.key for a in batch]
         given = results if any(r is not None for r in results) else None
-        try:
-            done = await self.driver.complete_many(keys, given)
-        except psycopg.errors.LockNotAvailable:
-            # A row held longer than claimers hold one: record the rest now.
-            done = await self.driver.complete_many(keys, given, skip_locked=True)
+        done = await self._done(keys, given)
         for attempt in batch:
             if attempt.key in done:
                 self._record(attempt, "done", "done")
         await self._sort_out([a for a in batch if a.key not in done], "not completed")
+
+    async def _done(self, keys: list[Key], results: list[str | None] | None) -> set[Key]:
+        """Complete a batch: moved to the archive when the worker archives at
+        completion and nothing is in the way, else in place (the archiver
+        moves those later)."""
+        if self.archive and time.monotonic() >= self.archive_rest_until:
+            try:
+                return await self.driver.complete_many(keys, results, archive=True)
+            except psycopg.errors.InsufficientPrivilege as exc:
+                self.archive = False
+                log.info(
+                    "completing jobs in place: this role may not move them to the archive (%s)",
+                    " ".join(str(exc).split()),
+                )
+            except psycopg.errors.LockNotAvailable:
+                # A job's row or the archive table is held by another session
+                # (an admin's transaction, DDL on the archive): complete in
+                # place for a while rather than wait on it batch after batch.
+                self.archive_rest_until = time.monotonic() + ARCHIVE_REST
+            return await self.driver.complete_many(keys, results, skip_locked=True)
+        try:
+            return await self.driver.complete_many(keys, results)
+        except psycopg.errors.LockNotAvailable:
+            # A row held longer than claimers hold one: record the rest now.
+            return await self.driver.complete_many(keys, results, skip_locked=True)
 
     async def _fail(self, attempt: Attempt) -> None:
         assert attempt.outcome is not None and attempt.outcome.error is not None

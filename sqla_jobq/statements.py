@@ -96,6 +96,7 @@ __all__ = [
     "claim_columns",
     "complete",
     "complete_many",
+    "complete_to_archive",
     "copy_command",
     "copy_payload_rows",
     "copy_rows",
@@ -638,12 +639,12 @@ def _ids(jobs: Sequence[tuple[int, int]]) -> BindParameter[Any]:
 
 
 def _at_slot(
-    table: Table, jobs: Sequence[tuple[int, int]], array: BindParameter[Any]
+    job_id: ColumnElement[Any], jobs: Sequence[tuple[int, int]], array: BindParameter[Any]
 ) -> ColumnElement[Any]:
-    """This row's element of a batch array: `(array)[array_position(ids, id)]`
-    (grouped: a subscript straight after the bind's `::type[]` cast is a
-    syntax error)."""
-    return Grouping(array)[func.array_position(_ids(jobs), table.c.id)]
+    """The element of a batch array at `job_id`'s position in the batch:
+    `(array)[array_position(ids, id)]` (grouped: a subscript straight after
+    the bind's `::type[]` cast is a syntax error)."""
+    return Grouping(array)[func.array_position(_ids(jobs), job_id)]
 
 
 def _owned(table: Table, jobs: Sequence[tuple[int, int]]) -> tuple[ColumnElement[bool], ...]:
@@ -661,7 +662,8 @@ def _owned(table: Table, jobs: Sequence[tuple[int, int]]) -> tuple[ColumnElement
     """
     jobs, _ = newest_first(jobs)
     attempts = bindparam("attempts", [j[1] for j in jobs], type_=ARRAY(Integer))
-    return (table.c.id == any_(_ids(jobs)), table.c.attempts == _at_slot(table, jobs, attempts))
+    current = _at_slot(table.c.id, jobs, attempts)
+    return (table.c.id == any_(_ids(jobs)), table.c.attempts == current)
 
 
 def _fence_many(table: Table, jobs: Sequence[tuple[int, int]]) -> tuple[ColumnElement[bool], ...]:
@@ -669,10 +671,10 @@ def _fence_many(table: Table, jobs: Sequence[tuple[int, int]]) -> tuple[ColumnEl
 
 
 def _result_at_slot(
-    table: Table, jobs: Sequence[tuple[int, int]], results: Sequence[str | None]
+    job_id: ColumnElement[Any], jobs: Sequence[tuple[int, int]], results: Sequence[str | None]
 ) -> ColumnElement[Any]:
     return cast(
-        _at_slot(table, jobs, bindparam("results", list(results), type_=ARRAY(Text))), JSONB
+        _at_slot(job_id, jobs, bindparam("results", list(results), type_=ARRAY(Text))), JSONB
     )
 
 
@@ -730,8 +732,53 @@ def complete_many(
     else:
         stmt = stmt.where(*_fence_many(table, jobs))
     if results is not None:
-        stmt = stmt.values(result=_result_at_slot(table, jobs, results))
+        stmt = stmt.values(result=_result_at_slot(c.id, jobs, results))
     return stmt
+
+
+def complete_to_archive(
+    table: Table,
+    jobs: Sequence[tuple[int, int]],
+    results: Sequence[str | None] | None = None,
+    *,
+    skip_locked: bool = False,
+) -> CompoundSelect[Any]:
+    """`complete_many` that moves each job it completes into `<table>_archive`
+    in the same statement, instead of leaving it `done` in the jobs table for
+    an archiver pass to move later.
+
+    Completed in place, a job writes one more row version into the jobs table
+    (the done one, with its index entries), and an archiver pass later moves
+    tens of thousands of those at once, every few seconds. Moved here, the
+    running version is the job's last in the jobs table, and the cost of the
+    move is spread over the completions. Both matter most while a long
+    transaction elsewhere keeps VACUUM from reclaiming anything: the table and
+    its indexes grow by one version less per job, and no pass competes with
+    claims in bursts (bench.scenes held-snapshot, docs/benchmarks.md).
+
+    Returns the `(id, attempts)` pairs completed, as `complete_many` does. A
+    job someone waits on (`awaited`) is completed in place instead, so the
+    row trigger that announces its end fires; the next archiver pass moves
+    it. Both parts read one snapshot and touch disjoint rows: a job marked
+    awaited while this runs matches neither, and is retried as a busy row.
+    """
+    c = table.c
+    jobs, results = newest_first(jobs, results)
+    ours = (_lockable(table, jobs),) if skip_locked else _fence_many(table, jobs)
+    completed = table.delete().where(*ours, ~c.awaited).returning(*c).cte("completed")
+    done = dict(_DONE)
+    if results is not None:
+        done["result"] = _result_at_slot(completed.c.id, jobs, results)
+    copy = _copy(table, completed, done)
+    copied = copy.returning(copy.table.c.id, copy.table.c.attempts)
+    in_place = update(table).where(*ours, c.awaited).values(**_DONE)
+    if results is not None:
+        in_place = in_place.values(result=_result_at_slot(c.id, jobs, results))
+    kept = in_place.returning(c.id, c.attempts).cte("kept")
+    archived = copied.cte("archived")
+    return union_all(
+        select(archived.c.id, archived.c.attempts), select(kept.c.id, kept.c.attempts)
+    )
 
 
 def fates(table: Table, jobs: Sequence[tuple[int, int]]) -> Select[Any]:
@@ -1054,11 +1101,14 @@ def archive(
     return _copy(table, moved).add_cte(moved).execution_options(preserve_rowcount=True)
 
 
-def _copy(table: Table, moved: CTE) -> Insert:
-    """The rows a DELETE ... RETURNING gave, whole, into `<table>_archive`."""
+def _copy(table: Table, moved: CTE, values: dict[str, Any] | None = None) -> Insert:
+    """The rows a DELETE ... RETURNING gave, whole, into `<table>_archive`;
+    `values` replaces some of their columns."""
     target = archive_table(MetaData(), table.name, table.schema)
     columns = [c.name for c in table.c]
-    return insert(target).from_select(columns, select(*(moved.c[name] for name in columns)))
+    given = values or {}
+    copied = (given[name] if name in given else moved.c[name] for name in columns)
+    return insert(target).from_select(columns, select(*copied))
 
 
 class _Tid(UserDefinedType[str]):

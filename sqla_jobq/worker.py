@@ -172,7 +172,8 @@ class Worker:
         self.claim_lease = min(leases)
         self.sql = lifecycle_statements(registry.table, self.queues, self.claim_lease)
         self.claimer = self._driver()
-        self.finisher = Finisher(self._driver(), self._settled)
+        at_once = options.archive_after == timedelta(0)
+        self.finisher = Finisher(self._driver(), self._settled, archive=at_once)
         self.leases = LeaseKeeper(
             self._driver(),
             self._unsettled,

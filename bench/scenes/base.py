@@ -451,7 +451,7 @@ def _role(known: str | None, backend: str | None, app: str | None, query: str | 
 # The first words of each worker session's statements (`statements.py`).
 WORKER_ROLES = (
     ("claim", ("WITH NEXT", "SELECT MIN(")),
-    ("finish", ("UPDATE",)),
+    ("finish", ("UPDATE", "WITH COMPLETED")),
     ("archiver", ("WITH MOVED", "DELETE")),
     ("worker vacuum", ("VACUUM",)),
     ("listen", ("LISTEN",)),

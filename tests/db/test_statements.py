@@ -801,6 +801,7 @@ def test_fenced_statements_find_their_rows_by_primary_key_in_generic_plans(
     fenced = {
         "complete_many": statements.complete_many(history, pairs),
         "complete_many with results": statements.complete_many(history, pairs, [None, None]),
+        "complete_to_archive": statements.complete_to_archive(history, pairs, [None, None]),
         "extend_leases": statements.extend_leases(history, pairs, timedelta(minutes=5)),
         "release_many": statements.release_many(history, pairs, refund=True),
         "fail": statements.fail(history, 1, 1, "boom"),
@@ -863,6 +864,10 @@ def test_fenced_batches_find_their_rows_by_primary_key_when_statistics_saw_no_ru
         "complete_many": statements.complete_many(table, pairs),
         "complete_many with results": statements.complete_many(table, pairs, [None] * 200),
         "complete_many skipping locked": statements.complete_many(table, pairs, skip_locked=True),
+        "complete_to_archive": statements.complete_to_archive(table, pairs),
+        "complete_to_archive skipping locked": statements.complete_to_archive(
+            table, pairs, skip_locked=True
+        ),
         "extend_leases": statements.extend_leases(table, pairs, timedelta(minutes=5)),
         "release_many": statements.release_many(table, pairs, refund=True),
         "fates": statements.fates(table, pairs),

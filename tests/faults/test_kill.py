@@ -65,18 +65,20 @@ def test_sigkill_mid_job_loses_nothing(fq: FaultQueue, workers: Workers) -> None
     print(f"reaped {summary.reaped} attempts, {never_started} of them never started")
 
 
+@pytest.mark.parametrize("archive_after", ["1s", "0"], ids=["passes", "at_completion"])
 def test_sigkill_while_workers_archive_loses_nothing_and_moves_each_job_once(
-    fq: FaultQueue, workers: Workers
+    fq: FaultQueue, workers: Workers, archive_after: str
 ) -> None:
-    """3,000 jobs, 3 workers archiving done jobs as soon as possible (so
-    each passes every second, all three at once, SKIP LOCKED), a worker
-    SIGKILLed four times, mid-batch or mid-job, and restarted. A killed batch
-    rolls back whole: every job ends done, in exactly one of the two tables,
-    every transition legal; and in the end every one of them is in the
-    archive, once."""
+    """3,000 jobs, 3 workers archiving done jobs, a worker SIGKILLed four
+    times, mid-batch or mid-job, and restarted: with passes every second
+    (all three workers' at once, SKIP LOCKED), or with each completion moving
+    its jobs (`0`; a move is audited as `running -> done`, and must be its
+    owner's). A killed statement rolls back whole: every job ends done, in
+    exactly one of the two tables, every transition legal; and in the end
+    every one of them is in the archive, once."""
     rng = random.Random(11)
     ids = fq.enqueue_work(3000, sleep=0.002, max_attempts=25)
-    env = workers.env(fq, 2.0, JOBQ_ARCHIVE_AFTER="0")
+    env = workers.env(fq, 2.0, JOBQ_ARCHIVE_AFTER=archive_after)
     fleet = Fleet(workers, fq, 3, *FAST, lease=2.0, env=env)
     for _ in range(4):
         threshold = fq.done_count() + rng.randint(200, 500)

@@ -7,7 +7,10 @@ Every scenario checks its outcome from the database:
 * the audit table ``<table>_audit`` gets one row per status or attempts change of
   a job, written by a row trigger in the same transaction as the change, with the
   writer's `application_name` (``jobq worker <host>:<pid>``: one per process) and
-  whether the job's lease had expired at that moment.
+  whether the job's lease had expired at that moment. A running row deleted is
+  a completion that moved the job to the archive (``--archive-after 0``), and is
+  audited as ``running -> done``: the final state, read from both tables, says
+  whether it arrived there done.
 
 `check_audit` then proves that every transition is legal and fenced: a transition
 out of ``running`` is made either by the session that claimed that very attempt
@@ -105,6 +108,14 @@ class FaultQueue:
                                                   txid)
                         VALUES (NEW.id, NEW.status, NEW.attempts, NEW.max_attempts,
                                 current_setting('application_name'), txid_current());
+                      ELSIF TG_OP = 'DELETE' THEN
+                        INSERT INTO {self.audit} (id, old_status, new_status, old_attempts,
+                               new_attempts, old_max, new_max, lease_expired, last_error,
+                               app, txid)
+                        VALUES (OLD.id, OLD.status, 'done', OLD.attempts, OLD.attempts,
+                                OLD.max_attempts, OLD.max_attempts, OLD.locked_until < now(),
+                                OLD.last_error, current_setting('application_name'),
+                                txid_current());
                       ELSE
                         INSERT INTO {self.audit} (id, old_status, new_status, old_attempts,
                                new_attempts, old_max, new_max, lease_expired, last_error,
@@ -122,6 +133,9 @@ class FaultQueue:
                     FOR EACH ROW WHEN (OLD.status IS DISTINCT FROM NEW.status
                                        OR OLD.attempts IS DISTINCT FROM NEW.attempts
                                        OR OLD.max_attempts IS DISTINCT FROM NEW.max_attempts)
+                    EXECUTE FUNCTION {function}()""",
+                f"""CREATE TRIGGER fx_audit_delete AFTER DELETE ON {self.qualified}
+                    FOR EACH ROW WHEN (OLD.status = 'running')
                     EXECUTE FUNCTION {function}()""",
             ):
                 conn.execute(ddl.encode())

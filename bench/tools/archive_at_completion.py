@@ -1,0 +1,115 @@
+"""`python -m bench.tools.archive_at_completion`: what moving each job to the
+archive as it completes (`--archive-after 0`, `statements.complete_to_archive`)
+costs a drain, against completing in place and moving later (`60s`, the
+default before).
+
+Not part of the suite. On a throwaway cluster (PostgreSQL's default
+settings), rounds alternate which kind goes first. Each kind fills the queue
+with `--jobs` ready no-op jobs and drains it with `jobq worker -c 8 --burst`;
+the rate is the server's (first claim to last completion). In place, the
+drain leaves its jobs `done` in the jobs table for a pass to move a minute
+later, work a drain's clock never sees, so that pass is run and timed too
+(`statements.archive_from` in batches of `archiving.BATCH`, as the archiver
+runs them) and the in-place kind is also reported with it: the same work done
+both ways. Reported: each figure's median over the rounds, and the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from datetime import timedelta
+
+from sqlalchemy import MetaData
+
+from sqla_jobq.archiving import BATCH
+from sqla_jobq.db import compiled
+from sqla_jobq.schema import jobs_table
+from sqla_jobq.statements import HEAP_START, archive_from
+
+from .. import common
+from ..scenes import base
+
+KINDS = {"in_place": "60s", "at_completion": "0"}
+
+
+def drain(cluster: base.Cluster, jobs: int, archive_after: str) -> float:
+    """Seconds from the first claim to the last completion of `jobs` no-op jobs."""
+    bench = cluster.bench()
+    common.fill(bench, jobs)
+    cmd = base.worker_cmd(cluster.url(), 8, "--archive-after", archive_after, burst=True)
+    common.run_children([cmd], timeout=600)
+    outcome = common.outcome(bench)
+    common.require_all_done(outcome, f"drain with --archive-after {archive_after}")
+    return outcome.seconds
+
+
+def archive_pass(cluster: base.Cluster, jobs: int) -> float:
+    """Seconds for one archiver pass to move the `jobs` done jobs a drain left."""
+    stmt = archive_from(
+        jobs_table(MetaData()),
+        older_than=timedelta(0),
+        limit=BATCH,
+        statuses=["done"],
+        skip_locked=True,
+    )
+    sql, params = compiled(stmt)
+    moved, reached = 0, HEAP_START
+    with cluster.connect() as conn:
+        started = time.perf_counter()
+        while True:
+            row = conn.execute(sql, {**params, "from_tid": reached}).fetchone()
+            assert row is not None  # an aggregate: always one row
+            count, reached = int(row[0]), row[1]
+            moved += count
+            if count < BATCH:
+                break
+        seconds = time.perf_counter() - started
+    if moved != jobs:
+        raise RuntimeError(f"the pass moved {moved:,} of {jobs:,} jobs")
+    return seconds
+
+
+def one_round(cluster: base.Cluster, jobs: int, first: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for kind in sorted(KINDS, key=lambda k: k != first):
+        out[kind] = jobs / drain(cluster, jobs, KINDS[kind])
+        if kind == "in_place":
+            seconds = jobs / out[kind] + archive_pass(cluster, jobs)
+            out["in_place_with_pass"] = jobs / seconds
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.tools.archive_at_completion", description=__doc__
+    )
+    parser.add_argument("--jobs", type=int, default=20_000)
+    parser.add_argument("--rounds", type=int, default=6)
+    args = parser.parse_args()
+    rounds: list[dict[str, float]] = []
+    with base.throwaway_cluster() as cluster:
+        for n in range(args.rounds):
+            first = "in_place" if n % 2 == 0 else "at_completion"
+            rounds.append(one_round(cluster, args.jobs, first))
+            print(
+                f"round {n + 1} ({first} first): "
+                + ", ".join(f"{k} {v:,.0f} jobs/s" for k, v in rounds[-1].items()),
+                flush=True,
+            )
+    median = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+    at = median["at_completion"]
+    print(
+        f"median of {args.rounds} rounds of {args.jobs:,} jobs, -c 8 --burst: at completion "
+        f"{at:,.0f} jobs/s; in place {median['in_place']:,.0f} (at completion "
+        f"{at / median['in_place']:.2f}x), in place with its archiver pass "
+        f"{median['in_place_with_pass']:,.0f} ({at / median['in_place_with_pass']:.2f}x)"
+    )
+    result = {"jobs": args.jobs, "rounds": rounds, "median": median}
+    common.dump_json(common.REPO / "bench" / "results" / "archive-at-completion.json", result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
