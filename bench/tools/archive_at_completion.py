@@ -9,9 +9,10 @@ with `--jobs` ready no-op jobs and drains it with `jobq worker -c 8 --burst`;
 the rate is the server's (first claim to last completion). In place, the
 drain leaves its jobs `done` in the jobs table for a pass to move a minute
 later, work a drain's clock never sees, so that pass is run and timed too
-(`statements.archive_from` in batches of `archiving.BATCH`, as the archiver
-runs them) and the in-place kind is also reported with it: the same work done
-both ways. Reported: each figure's median over the rounds, and the ratios.
+(`bench.tools.archive_pass.resumed`: `statements.archive_from` in batches
+of `archiving.BATCH`, as the archiver runs them) and the in-place kind is
+also reported with it: the same work done both ways. Reported: each
+figure's median over the rounds, and the ratios.
 """
 
 from __future__ import annotations
@@ -21,15 +22,9 @@ import statistics
 import time
 from datetime import timedelta
 
-from sqlalchemy import MetaData
-
-from sqla_jobq.archiving import BATCH
-from sqla_jobq.db import compiled
-from sqla_jobq.schema import jobs_table
-from sqla_jobq.statements import HEAP_START, archive_from
-
 from .. import common
 from ..scenes import base
+from . import archive_pass as archive_pass_tool
 
 KINDS = {"in_place": "60s", "at_completion": "0"}
 
@@ -47,24 +42,9 @@ def drain(cluster: base.Cluster, jobs: int, archive_after: str) -> float:
 
 def archive_pass(cluster: base.Cluster, jobs: int) -> float:
     """Seconds for one archiver pass to move the `jobs` done jobs a drain left."""
-    stmt = archive_from(
-        jobs_table(MetaData()),
-        older_than=timedelta(0),
-        limit=BATCH,
-        statuses=["done"],
-        skip_locked=True,
-    )
-    sql, params = compiled(stmt)
-    moved, reached = 0, HEAP_START
     with cluster.connect() as conn:
         started = time.perf_counter()
-        while True:
-            row = conn.execute(sql, {**params, "from_tid": reached}).fetchone()
-            assert row is not None  # an aggregate: always one row
-            count, reached = int(row[0]), row[1]
-            moved += count
-            if count < BATCH:
-                break
+        moved = archive_pass_tool.resumed(conn, "jobs", older_than=timedelta(0))
         seconds = time.perf_counter() - started
     if moved != jobs:
         raise RuntimeError(f"the pass moved {moved:,} of {jobs:,} jobs")

@@ -48,9 +48,9 @@ def from_first_page(conn: Conn, table: str) -> int:
     return total
 
 
-def resumed(conn: Conn, table: str) -> int:
+def resumed(conn: Conn, table: str, older_than: timedelta = OLDER_THAN) -> int:
     """The archiver now: every batch starts where the one before it stopped."""
-    sql, params = compiled(_build(archive_from, table))
+    sql, params = compiled(_build(archive_from, table, older_than))
     total = 0
     reached = HEAP_START
     while True:
@@ -62,9 +62,9 @@ def resumed(conn: Conn, table: str) -> int:
             return total
 
 
-def _build(builder: Callable[..., Any], table: str) -> Any:
+def _build(builder: Callable[..., Any], table: str, older_than: timedelta = OLDER_THAN) -> Any:
     jobs = jobs_table(MetaData(), name=table)
-    return builder(jobs, older_than=OLDER_THAN, limit=BATCH, statuses=["done"], skip_locked=True)
+    return builder(jobs, older_than=older_than, limit=BATCH, statuses=["done"], skip_locked=True)
 
 
 def _enqueue(conn: Conn, table: str, jobs: int) -> None:

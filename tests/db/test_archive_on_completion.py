@@ -23,7 +23,8 @@ from sqlalchemy import Connection, Engine, Table
 from sqla_jobq import Registry, archiving, client, statements
 from sqla_jobq.db import conninfo
 from sqla_jobq.job import NewJob
-from sqla_jobq.schema import names_of
+from tests.db import test_archiving as archiving_tests
+from tests.db.test_archiving import archive_of
 from tests.support.faultqueue import drop_role
 from tests.support.inprocess import running
 from tests.support.rows import Raw
@@ -53,10 +54,6 @@ def rows_of(raw: Raw, name: str) -> dict[int, tuple[Any, ...]]:
     columns = "id, status, attempts, locked_until, finished_at IS NOT NULL, result"
     found = raw.execute(f'SELECT {columns} FROM "{name}"'.encode()).fetchall()
     return {int(str(r[0])): tuple(r[1:]) for r in found}
-
-
-def archive_of(table: Table) -> str:
-    return names_of(table).archive
 
 
 def test_completing_into_the_archive_moves_each_job_with_its_result(
@@ -191,11 +188,8 @@ def test_concurrent_waiters_never_leave_a_job_in_both_tables_or_neither(
 
 
 def registry_of(table: Table) -> Registry:
-    registry = Registry(table)
-
-    @registry.task(name="noop")
-    def noop() -> None:
-        return None
+    """test_archiving's tasks, and one that returns a value."""
+    registry = archiving_tests.registry_of(table)
 
     @registry.task(name="answer")
     def answer() -> int:
