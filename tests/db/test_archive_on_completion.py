@@ -2,12 +2,12 @@
 `<table>_archive` in the same statement (`statements.complete_to_archive`):
 each job ends in exactly one of the two tables, only if its attempt is still
 the row's, a job someone waits on is completed in place so its end is
-announced, and a lock, a missing privilege or a held row sends completions
-back to the in-place path instead of stalling them."""
+announced, and a lock or a held row sends completions back to the in-place
+path instead of stalling them (a role that may not move them:
+test_archiving's role test)."""
 
 from __future__ import annotations
 
-import logging
 import random
 import threading
 import time
@@ -25,7 +25,6 @@ from sqla_jobq.db import conninfo
 from sqla_jobq.job import NewJob
 from tests.db import test_archiving as archiving_tests
 from tests.db.test_archiving import archive_of
-from tests.support.faultqueue import drop_role
 from tests.support.inprocess import running
 from tests.support.rows import Raw
 from tests.support.waiting import wait_until
@@ -236,41 +235,3 @@ def test_a_locked_archive_sends_completions_in_place_and_the_sweep_moves_them_la
             )
         wait_until(lambda: sorted(rows_of(raw, archive_of(table))) == jobs, 30, "swept")
     assert rows_of(raw, table.name) == {}
-
-
-def test_a_role_that_may_not_delete_completes_in_place_and_is_told_once(
-    database_url: str,
-    engine: Engine,
-    table: Table,
-    raw: Raw,
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    caplog.set_level(logging.INFO, logger="sqla_jobq.finisher")
-    role = f"jobq_nodel_{table.name}"
-    raw.execute(f"CREATE ROLE {role} LOGIN".encode())
-    try:
-        for granted in (table.name, f"{table.name}_queues", f"{table.name}_workers"):
-            raw.execute(f'GRANT SELECT, INSERT, UPDATE ON "{granted}" TO {role}'.encode())
-        raw.execute(f'GRANT SELECT, INSERT ON "{archive_of(table)}" TO {role}'.encode())
-        raw.execute(f'GRANT DELETE ON "{table.name}_workers" TO {role}'.encode())
-        url = engine.url.set(username=role).render_as_string(hide_password=False)
-        options = {"archive_after": timedelta(0), "poll_interval": 0.2}
-        with running(registry_of(table), url, **options):
-            jobs = enqueue(engine, table, 5)
-            wait_until(lambda: len(rows_of(raw, table.name)) == 5, 30, "enqueued")
-            wait_until(
-                lambda: {r[0] for r in rows_of(raw, table.name).values()} == {"done"},
-                30,
-                "done in place",
-            )
-            more = enqueue(engine, table, 3)
-            wait_until(
-                lambda: [r[0] for r in rows_of(raw, table.name).values()] == ["done"] * 8,
-                30,
-                "and more",
-            )
-    finally:
-        drop_role(raw, role, owned=True)
-    told = [r.getMessage() for r in caplog.records if "completing jobs in place" in r.getMessage()]
-    assert len(told) == 1 and "permission denied" in told[0], told
-    assert sorted(rows_of(raw, table.name)) == sorted(jobs + more)

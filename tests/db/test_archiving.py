@@ -248,7 +248,10 @@ def role_url(database_url: str, raw: Raw, table: Table) -> Iterator[str]:
 def test_a_role_that_may_not_delete_is_told_once_and_archiving_turns_off(
     role_url: str, engine: Engine, table: Table, raw: Raw, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """With `archive_after` 0 the completions would move the jobs: they are
+    recorded in place instead, and that is said once too."""
     caplog.set_level(logging.INFO, logger="sqla_jobq.archive")
+    caplog.set_level(logging.INFO, logger="sqla_jobq.finisher")
     jobs = enqueue(engine, table, "noop", 3)
     options = {"archive_after": timedelta(0), "poll_interval": 0.2}
     with running(registry_of(table), role_url, **options) as run:
@@ -263,6 +266,8 @@ def test_a_role_that_may_not_delete_is_told_once_and_archiving_turns_off(
     told = [r.getMessage() for r in caplog.records if r.name == "sqla_jobq.archive"]
     assert len(told) == 1, told
     assert "not archiving" in told[0] and "permission denied" in told[0]
+    in_place = [r.getMessage() for r in caplog.records if r.name == "sqla_jobq.finisher"]
+    assert len(in_place) == 1 and "completing jobs in place" in in_place[0], in_place
     assert ids_in(raw, table.name) == sorted(jobs + more)
 
 
