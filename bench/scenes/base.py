@@ -238,18 +238,20 @@ class Sample:
     indexes: dict[str, int]
     archive_bytes: int = 0  # heap + indexes + TOAST of jobs_archive
     archived: int = 0  # rows inserted into jobs_archive (statistics, about a second late)
+    archive_autovacuums: int = 0  # autovacuums of jobs_archive (its inserts trigger them)
 
 
 def sample(conn: psycopg.Connection[Any], t: float) -> Sample:
     row = conn.execute(
         """
-        SELECT n_live_tup, n_dead_tup, pg_relation_size(relid), pg_indexes_size(relid),
-               pg_total_relation_size(relid), autovacuum_count, autoanalyze_count,
+        SELECT j.n_live_tup, j.n_dead_tup, pg_relation_size(j.relid), pg_indexes_size(j.relid),
+               pg_total_relation_size(j.relid), j.autovacuum_count, j.autoanalyze_count,
                (SELECT count(*) FROM jobs WHERE status = 'queued'),
                coalesce(pg_total_relation_size(to_regclass('jobs_archive')), 0),
-               coalesce((SELECT n_tup_ins FROM pg_stat_user_tables
-                         WHERE relname = 'jobs_archive'), 0)
-        FROM pg_stat_user_tables WHERE relname = 'jobs'
+               coalesce(a.n_tup_ins, 0), coalesce(a.autovacuum_count, 0)
+        FROM pg_stat_user_tables j
+        LEFT JOIN pg_stat_user_tables a ON a.relname = 'jobs_archive'
+        WHERE j.relname = 'jobs'
         """
     ).fetchone()
     assert row is not None
@@ -259,7 +261,9 @@ def sample(conn: psycopg.Connection[Any], t: float) -> Sample:
             "WHERE relname = 'jobs' ORDER BY indexrelname"
         ).fetchall()
     )
-    live, dead, heap, idx, total, vac, an, queued, archive, archived = (int(v) for v in row)
+    live, dead, heap, idx, total, vac, an, queued, archive, archived, archive_vac = (
+        int(v) for v in row
+    )
     return Sample(
         t,
         live,
@@ -273,6 +277,7 @@ def sample(conn: psycopg.Connection[Any], t: float) -> Sample:
         {str(k): int(v) for k, v in indexes.items()},
         archive,
         archived,
+        archive_vac,
     )
 
 

@@ -237,7 +237,7 @@ def report(r: dict[str, Any]) -> str:
     lines = [
         f"{'t s':>5} {'phase':<5} {'offered/s':>9} {'done/s':>8} {'done/off':>8} "
         f"{'p50 ms':>8} {'p99 ms':>8} {'dead':>9} {'live':>9} {'heap MB':>8} "
-        f"{'idx MB':>7} {'autovac':>7} {'queued':>8} {'unstarted':>9}"
+        f"{'idx MB':>7} {'autovac':>7} {'arch av':>7} {'queued':>8} {'unstarted':>9}"
     ]
     every = (r["buckets"][1]["start"] - r["buckets"][0]["start"]) if len(r["buckets"]) > 1 else 10
     for b in r["buckets"]:
@@ -248,7 +248,7 @@ def report(r: dict[str, Any]) -> str:
             f"{b['pickup_p99_ms']:>8.1f} {b.get('n_dead_tup', 0):>9,} "
             f"{b.get('n_live_tup', 0):>9,} {base.mb(b.get('table_bytes', 0)):>8} "
             f"{base.mb(b.get('index_bytes', 0)):>7} {b.get('autovacuums', 0):>7} "
-            f"{b.get('queued', 0):>8,} {b['unstarted']:>9,}"
+            f"{b.get('archive_autovacuums', 0):>7} {b.get('queued', 0):>8,} {b['unstarted']:>9,}"
         )
 
     def s(v: Any, unit: str = "") -> str:
