@@ -76,6 +76,12 @@ SLACK = 1.0
 STOP_PATIENCE = 5.0
 
 
+def at_completion(after: timedelta | None) -> bool:
+    """`archive_after` 0: the worker's completions move its jobs themselves
+    (`statements.complete_to_archive`), and passes only sweep (SWEEP_INTERVAL)."""
+    return after == timedelta(0)
+
+
 class Archiver:
     """One worker's archiving loop. `finished()` is the worker's count of
     jobs it finished: unchanged since the last pass means idle."""
@@ -97,9 +103,9 @@ class Archiver:
             archive_from(table, older_than=timedelta(0), statuses=["done"], skip_locked=True)
         )
         seconds = 0.0 if after is None else after.total_seconds()
-        self.interval = min(INTERVAL, max(MIN_INTERVAL, seconds))
-        if after == timedelta(0):
-            self.interval = SWEEP_INTERVAL
+        self.interval = (
+            SWEEP_INTERVAL if at_completion(after) else min(INTERVAL, max(MIN_INTERVAL, seconds))
+        )
         self.refused = False
         self.seen: int | None = None  # `finished()` at the last pass; None: pass due
         self.tail_at: float | None = None  # one more pass then, for the last jobs

@@ -18,6 +18,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from itertools import product
 from typing import Any
 
 import psycopg
@@ -137,16 +138,16 @@ def _completions(table: Table) -> dict[str, Compiled]:
     in place or into the archive, with or without results, waiting on a
     locked row or skipping it."""
     none: list[Key] = []
-    forms: dict[str, Compiled] = {}
-    for where, build in (
-        ("", statements.complete_many),
-        ("_archiving", statements.complete_to_archive),
-    ):
-        for results, given in (("", None), ("_results", [])):
-            for skipping in ("", "_skipping"):
-                stmt = build(table, none, given, skip_locked=bool(skipping))
-                forms["complete" + where + results + skipping] = Compiled.of(stmt)
-    return forms
+    builds = (("", statements.complete_many), ("_archiving", statements.complete_to_archive))
+    given: tuple[tuple[str, list[str | None] | None], ...] = (("", None), ("_results", []))
+    return {
+        "complete" + where + results + skipping: Compiled.of(
+            build(table, none, values, skip_locked=bool(skipping))
+        )
+        for (where, build), (results, values), skipping in product(
+            builds, given, ("", "_skipping")
+        )
+    }
 
 
 class Driver:

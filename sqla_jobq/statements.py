@@ -724,13 +724,28 @@ def complete_many(
     round a row held longer (an admin's open transaction): the rest of the
     batch is recorded and the held row retried later.
     """
-    c = table.c
     jobs, results = newest_first(jobs, results)  # results stay beside their pairs
-    stmt = update(table).values(**_DONE).returning(c.id, c.attempts)
-    if skip_locked:
-        stmt = stmt.where(_lockable(table, jobs))
-    else:
-        stmt = stmt.where(*_fence_many(table, jobs))
+    return _done_in_place(table, jobs, results, _ours(table, jobs, skip_locked))
+
+
+def _ours(
+    table: Table, jobs: Sequence[tuple[int, int]], skip_locked: bool
+) -> tuple[ColumnElement[bool], ...]:
+    """The rows of a batch still ours: fenced, or, with `skip_locked`, those
+    of them no other session holds (`_lockable`)."""
+    return (_lockable(table, jobs),) if skip_locked else _fence_many(table, jobs)
+
+
+def _done_in_place(
+    table: Table,
+    jobs: Sequence[tuple[int, int]],
+    results: Sequence[str | None] | None,
+    where: tuple[ColumnElement[bool], ...],
+) -> Update:
+    """`UPDATE ... SET status = 'done' ... WHERE <where>`, each job's result
+    beside it, returning the pairs it completed (`jobs` in `newest_first` order)."""
+    c = table.c
+    stmt = update(table).values(**_DONE).returning(c.id, c.attempts).where(*where)
     if results is not None:
         stmt = stmt.values(result=_result_at_slot(c.id, jobs, results))
     return stmt
@@ -764,18 +779,14 @@ def complete_to_archive(
     """
     c = table.c
     jobs, results = newest_first(jobs, results)
-    ours = (_lockable(table, jobs),) if skip_locked else _fence_many(table, jobs)
+    ours = _ours(table, jobs, skip_locked)
     completed = table.delete().where(*ours, ~c.awaited).returning(*c).cte("completed")
     done = dict(_DONE)
     if results is not None:
         done["result"] = _result_at_slot(completed.c.id, jobs, results)
     copy = _copy(table, completed, done)
-    copied = copy.returning(copy.table.c.id, copy.table.c.attempts)
-    in_place = update(table).where(*ours, c.awaited).values(**_DONE)
-    if results is not None:
-        in_place = in_place.values(result=_result_at_slot(c.id, jobs, results))
-    kept = in_place.returning(c.id, c.attempts).cte("kept")
-    archived = copied.cte("archived")
+    archived = copy.returning(copy.table.c.id, copy.table.c.attempts).cte("archived")
+    kept = _done_in_place(table, jobs, results, (*ours, c.awaited)).cte("kept")
     return union_all(
         select(archived.c.id, archived.c.attempts), select(kept.c.id, kept.c.attempts)
     )

@@ -38,7 +38,7 @@ import psycopg
 from sqlalchemy import create_engine
 from sqlalchemy.pool import NullPool
 
-from .archiving import Archiver
+from .archiving import Archiver, at_completion
 from .attempt import Attempt, Cancel, Key, Outcome, State
 from .capture import Captured
 from .claim_cursor import ClaimCursor
@@ -172,7 +172,7 @@ class Worker:
         self.claim_lease = min(leases)
         self.sql = lifecycle_statements(registry.table, self.queues, self.claim_lease)
         self.claimer = self._driver()
-        at_once = options.archive_after == timedelta(0)
+        at_once = at_completion(options.archive_after)
         self.finisher = Finisher(self._driver(), self._settled, archive=at_once)
         self.leases = LeaseKeeper(
             self._driver(),

@@ -11,8 +11,6 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -20,27 +18,14 @@ import psycopg
 import pytest
 from sqlalchemy import Connection, Engine, Table
 
-from sqla_jobq import Registry, archiving, client, statements
+from sqla_jobq import Registry, archiving, statements
 from sqla_jobq.db import conninfo
-from sqla_jobq.job import NewJob
 from tests.db import test_archiving as archiving_tests
-from tests.db.test_archiving import archive_of
+from tests.db.test_archiving import archive_of, enqueue
+from tests.db.test_statements import SHORT_LEASE, autocommit
 from tests.support.inprocess import running
 from tests.support.rows import Raw
 from tests.support.waiting import wait_until
-
-SHORT_LEASE = timedelta(milliseconds=50)
-
-
-@contextmanager
-def autocommit(engine: Engine) -> Iterator[Connection]:
-    with engine.connect() as conn:
-        yield conn.execution_options(isolation_level="AUTOCOMMIT")
-
-
-def enqueue(engine: Engine, table: Table, count: int, task: str = "noop") -> list[int]:
-    with engine.begin() as conn:
-        return client.enqueue_many(conn, table, [NewJob(task) for _ in range(count)])
 
 
 def claim(conn: Connection, table: Table, limit: int, **options: Any) -> list[tuple[int, int]]:
@@ -58,7 +43,7 @@ def rows_of(raw: Raw, name: str) -> dict[int, tuple[Any, ...]]:
 def test_completing_into_the_archive_moves_each_job_with_its_result(
     engine: Engine, table: Table, raw: Raw
 ) -> None:
-    enqueue(engine, table, 3)
+    enqueue(engine, table, "noop", 3)
     with autocommit(engine) as conn:
         pairs = claim(conn, table, 3)
         stmt = statements.complete_to_archive(table, pairs, ['{"r": 1}', None, '"x"'])
@@ -76,7 +61,7 @@ def test_completing_into_the_archive_moves_each_job_with_its_result(
 def test_stale_attempt_cannot_archive_its_reclaimed_job(
     engine: Engine, table: Table, raw: Raw
 ) -> None:
-    [job_id] = enqueue(engine, table, 1)
+    [job_id] = enqueue(engine, table, "noop", 1)
     with autocommit(engine) as conn:
         [stale] = claim(conn, table, 1, lease=SHORT_LEASE)
         time.sleep(0.1)
@@ -96,7 +81,7 @@ def test_an_awaited_job_is_completed_in_place_and_its_end_announced(
     """`wait_for` hears of a job's end from the row trigger on UPDATE of
     status; a job moved by DELETE would end unannounced, so awaited jobs are
     completed in place, in the same statement as the rest of the batch."""
-    awaited, plain = enqueue(engine, table, 2)
+    awaited, plain = enqueue(engine, table, "noop", 2)
     with autocommit(engine) as conn:
         assert conn.execute(statements.mark_awaited(table, awaited)).all() == [(awaited,)]
         pairs = claim(conn, table, 2)
@@ -123,7 +108,7 @@ def test_an_awaited_job_is_completed_in_place_and_its_end_announced(
 def test_a_row_another_session_holds_is_skipped_and_stays_ours(
     engine: Engine, table: Table, raw: Raw, database_url: str
 ) -> None:
-    held, free = enqueue(engine, table, 2)
+    held, free = enqueue(engine, table, "noop", 2)
     with autocommit(engine) as conn:
         pairs = claim(conn, table, 2)
         with psycopg.connect(conninfo(database_url)) as holder:
@@ -145,7 +130,7 @@ def test_concurrent_waiters_never_leave_a_job_in_both_tables_or_neither(
     complete into the archive: every job ends done exactly once, in the
     archive or (awaited) in place, and each batch reports exactly the jobs it
     ended; the rest are still running and ours, and complete on a retry."""
-    enqueue(engine, table, 600)
+    enqueue(engine, table, "noop", 600)
     with autocommit(engine) as conn:
         pairs = claim(conn, table, 600)
     ids = [p[0] for p in pairs]
@@ -200,7 +185,7 @@ def registry_of(table: Table) -> Registry:
 def test_a_worker_archiving_at_once_leaves_no_done_job_in_the_jobs_table(
     database_url: str, engine: Engine, table: Table, raw: Raw
 ) -> None:
-    jobs = enqueue(engine, table, 300) + enqueue(engine, table, 5, "answer")
+    jobs = enqueue(engine, table, "noop", 300) + enqueue(engine, table, "answer", 5)
     options = {"archive_after": timedelta(0), "poll_interval": 0.2, "concurrency": 4}
     with running(registry_of(table), database_url, **options):
         wait_until(lambda: len(rows_of(raw, archive_of(table))) == 305, 30, "all archived")
@@ -227,7 +212,7 @@ def test_a_locked_archive_sends_completions_in_place_and_the_sweep_moves_them_la
     with running(registry_of(table), database_url, **options):
         with psycopg.connect(conninfo(database_url)) as holder:
             holder.execute(f'LOCK TABLE "{archive_of(table)}" IN ACCESS EXCLUSIVE MODE'.encode())
-            jobs = enqueue(engine, table, 20)
+            jobs = enqueue(engine, table, "noop", 20)
             wait_until(
                 lambda: [r[0] for r in rows_of(raw, table.name).values()] == ["done"] * 20,
                 30,
