@@ -42,6 +42,20 @@ def main() -> int:
         help="held-snapshot: jobs/s to offer instead of half the saturated rate "
         "(the same load as an earlier run)",
     )
+    parser.add_argument(
+        "--no-hold",
+        action="store_true",
+        help="held-snapshot: the control run: the same phases and load, and the other "
+        "session takes no snapshot (how often a 10 s bucket's p99 leaves 1.5x clean "
+        "by itself)",
+    )
+    parser.add_argument(
+        "--server-setting",
+        action="append",
+        default=[],
+        help="held-snapshot: a server setting for the throwaway cluster (repeatable), "
+        "e.g. --server-setting=shared_buffers=1GB",
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
 
@@ -53,7 +67,14 @@ def main() -> int:
     if args.scene == "bloat-at-peak":
         result = bloat.run(args.minutes, log, args.worker_arg)
     elif args.scene == "held-snapshot":
-        result = held_snapshot.run(args.minutes, log, args.offered, args.worker_arg)
+        result = held_snapshot.run(
+            args.minutes,
+            log,
+            args.offered,
+            args.worker_arg,
+            held=not args.no_hold,
+            server_settings=args.server_setting,
+        )
     else:
         result = SCENES[args.scene].run(args.minutes, log)
     result["command"] = " ".join(["python -m bench.scenes", *sys.argv[1:]])

@@ -63,9 +63,10 @@ class Cluster:
 
 
 @contextmanager
-def throwaway_cluster() -> Iterator[Cluster]:
-    """A fresh PostgreSQL 15 cluster with default settings, a migrated `scene` database."""
-    with throwaway_server(settings=()) as server:
+def throwaway_cluster(settings: Sequence[str] = ()) -> Iterator[Cluster]:
+    """A fresh PostgreSQL 15 cluster with default settings (but `settings`,
+    `name=value` each), a migrated `scene` database."""
+    with throwaway_server(settings=settings) as server:
         scene = Cluster(server.port)
         with scene.connect("postgres") as conn:
             conn.execute("CREATE DATABASE scene")
@@ -239,6 +240,9 @@ class Sample:
     archive_bytes: int = 0  # heap + indexes + TOAST of jobs_archive
     archived: int = 0  # rows inserted into jobs_archive (statistics, about a second late)
     archive_autovacuums: int = 0  # autovacuums of jobs_archive (its inserts trigger them)
+    wal_bytes: int = 0  # WAL written by the cluster so far (pg_stat_wal)
+    wal_fpi: int = 0  # full-page images in it: a page's first change after a checkpoint
+    checkpoints: int = 0  # checkpoints started so far, timed and requested
 
 
 def sample(conn: psycopg.Connection[Any], t: float) -> Sample:
@@ -264,6 +268,11 @@ def sample(conn: psycopg.Connection[Any], t: float) -> Sample:
     live, dead, heap, idx, total, vac, an, queued, archive, archived, archive_vac = (
         int(v) for v in row
     )
+    wal = conn.execute(
+        "SELECT w.wal_bytes, w.wal_fpi, b.checkpoints_timed + b.checkpoints_req "
+        "FROM pg_stat_wal w, pg_stat_bgwriter b"
+    ).fetchone()
+    assert wal is not None
     return Sample(
         t,
         live,
@@ -278,6 +287,7 @@ def sample(conn: psycopg.Connection[Any], t: float) -> Sample:
         archive,
         archived,
         archive_vac,
+        *(int(v) for v in wal),
     )
 
 
@@ -398,6 +408,8 @@ class Glimpse:
     waits: list[str]  # one per active worker session: "CPU", "WAL", or the wait event
     # Every server process seen: pid -> (its role, user + system seconds so far).
     server: dict[int, tuple[str, float]] = field(default_factory=dict)
+    # Each VACUUM in progress (pg_stat_progress_vacuum): "table: phase (who)".
+    vacuums: list[str] = field(default_factory=list)
 
 
 class Watch(threading.Thread):
@@ -433,9 +445,19 @@ class Watch(threading.Thread):
                     cpu = common.proc_cpu(pid)
                     if cpu is not None:
                         server[pid] = (self.roles[pid], cpu)
+                vacuums = [
+                    f"{table}: {phase} ({'auto' if backend == 'autovacuum worker' else 'worker'})"
+                    for table, phase, backend in conn.execute(VACUUM_PROGRESS).fetchall()
+                ]
                 t = time.monotonic() - self.t0
                 cpu = sum(common.proc_cpu(pid) or 0.0 for pid in self.pids)
-                self.glimpses.append(Glimpse(t, cpu, waits, server))
+                self.glimpses.append(Glimpse(t, cpu, waits, server, vacuums))
+
+
+VACUUM_PROGRESS = (
+    "SELECT p.relid::regclass::text, p.phase, a.backend_type "
+    "FROM pg_stat_progress_vacuum p JOIN pg_stat_activity a USING (pid)"
+)
 
 
 def _role(known: str | None, backend: str | None, app: str | None, query: str | None) -> str:
@@ -494,7 +516,7 @@ def watch_summary(glimpses: Sequence[Glimpse], start: float, end: float) -> dict
     server's cores per role."""
     inside = [g for g in glimpses if start <= g.t < end]
     if len(inside) < 2:
-        return {"worker_cpu_cores": float("nan"), "waits": {}, "server_cores": {}}
+        return {"worker_cpu_cores": float("nan"), "waits": {}, "server_cores": {}, "vacuums": {}}
     first, last = inside[0], inside[-1]
     cores = (last.cpu_s - first.cpu_s) / (last.t - first.t) if last.t > first.t else float("nan")
     counts: dict[str, int] = {}
@@ -507,4 +529,15 @@ def watch_summary(glimpses: Sequence[Glimpse], start: float, end: float) -> dict
         "worker_cpu_cores": cores,
         "waits": {k: v / total for k, v in top},
         "server_cores": server_cores(inside),
+        "vacuums": vacuum_shares(inside),
     }
+
+
+def vacuum_shares(glimpses: Sequence[Glimpse]) -> dict[str, float]:
+    """The share of glimpses in which each table's VACUUM was in each phase:
+    which vacuum, doing what, overlapped a stretch of the scene."""
+    counts: dict[str, int] = {}
+    for g in glimpses:
+        for v in g.vacuums:
+            counts[v] = counts.get(v, 0) + 1
+    return {k: n / len(glimpses) for k, n in sorted(counts.items(), key=lambda kv: -kv[1])}

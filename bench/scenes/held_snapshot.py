@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -41,11 +42,17 @@ def run(
     log: Any,
     offered_rate: float | None = None,
     worker_args: list[str] | None = None,
+    held: bool = True,
+    server_settings: Sequence[str] = (),
 ) -> dict[str, Any]:
     """`offered_rate` (jobs/s) replaces half the saturated rate: the same
     absolute load as another run, when comparing two versions of the worker
     whose saturated rates differ. `worker_args` go to the steady worker only
-    (an A/B of one of its options against the same saturated measure)."""
+    (an A/B of one of its options against the same saturated measure).
+    `held` False is the control run: everything else the same, the other
+    session reads in autocommit and holds nothing, so the "after" phase shows
+    how far a clean queue's 10 s buckets stray from the clean p99 alone.
+    `server_settings` (`name=value`) change the cluster's defaults."""
     extra = worker_args or []
     # The warm-up is not part of the clean baseline: before the first done jobs
     # are old enough to archive (DEFAULT_ARCHIVE_AFTER, 60 s), the worker does
@@ -53,7 +60,7 @@ def run(
     warm, clean, hold, after = 70 * minutes, 60 * minutes, 180 * minutes, 180 * minutes
     every = base.SAMPLE_SECONDS if minutes >= 0.5 else 5.0
     sat_jobs = 20_000 if minutes >= 0.5 else 3_000
-    with base.throwaway_cluster() as cluster:
+    with base.throwaway_cluster(server_settings) as cluster:
         settings = cluster.settings()
         sat = base.saturated_rate(cluster, sat_jobs)
         offered = sat / 2 if offered_rate is None else offered_rate
@@ -85,10 +92,12 @@ def run(
             holder = psycopg.connect(cluster.dsn())
             try:
                 time.sleep(max(0.0, t0 + warm + clean - time.monotonic()))
+                holder.autocommit = not held
                 holder.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
                 holder.execute("SELECT id FROM jobs LIMIT 1").fetchall()
                 hold_start = time.monotonic() - t0
-                log(f"  -- {hold_start:.0f} s: REPEATABLE READ snapshot taken and held")
+                taken = "taken and held" if held else "not held (control run)"
+                log(f"  -- {hold_start:.0f} s: REPEATABLE READ snapshot {taken}")
                 time.sleep(max(0.0, t0 + warm + clean + hold - time.monotonic()))
                 holder.commit()
                 hold_end = time.monotonic() - t0
@@ -117,12 +126,16 @@ def run(
         every,
     )
     result["worker_args"] = extra
+    result["held"] = held
+    result["server_settings"] = list(server_settings)
     result["watch"] = {
         "warm": base.watch_summary(watch.glimpses, 0, warm),
         "clean": base.watch_summary(watch.glimpses, warm, hold_start),
         "hold": base.watch_summary(watch.glimpses, hold_start, hold_end),
         "after": base.watch_summary(watch.glimpses, hold_end, total),
     }
+    for b in result["buckets"]:
+        b["watch"] = base.watch_summary(watch.glimpses, b["start"], b["start"] + every)
     result["per_second"] = [asdict(s) for s in seconds]
     return result
 
@@ -237,18 +250,24 @@ def report(r: dict[str, Any]) -> str:
     lines = [
         f"{'t s':>5} {'phase':<5} {'offered/s':>9} {'done/s':>8} {'done/off':>8} "
         f"{'p50 ms':>8} {'p99 ms':>8} {'dead':>9} {'live':>9} {'heap MB':>8} "
-        f"{'idx MB':>7} {'autovac':>7} {'arch av':>7} {'queued':>8} {'unstarted':>9}"
+        f"{'idx MB':>7} {'autovac':>7} {'arch av':>7} {'queued':>8} {'unstarted':>9} "
+        f"{'WAL MB':>7} {'FPIs':>7} {'ckpts':>5}"
     ]
     every = (r["buckets"][1]["start"] - r["buckets"][0]["start"]) if len(r["buckets"]) > 1 else 10
+    before: dict[str, Any] = {}
     for b in r["buckets"]:
         ratio = b["completed"] / b["offered"] if b["offered"] else float("nan")
+        wal = b.get("wal_bytes", 0) - before.get("wal_bytes", b.get("wal_bytes", 0))
+        fpi = b.get("wal_fpi", 0) - before.get("wal_fpi", b.get("wal_fpi", 0))
+        before = b
         lines.append(
             f"{b['start']:>5.0f} {b['phase']:<5} {b['offered'] / every:>9,.0f} "
             f"{b['completed'] / every:>8,.0f} {ratio:>8.2f} {b['pickup_p50_ms']:>8.1f} "
             f"{b['pickup_p99_ms']:>8.1f} {b.get('n_dead_tup', 0):>9,} "
             f"{b.get('n_live_tup', 0):>9,} {base.mb(b.get('table_bytes', 0)):>8} "
             f"{base.mb(b.get('index_bytes', 0)):>7} {b.get('autovacuums', 0):>7} "
-            f"{b.get('archive_autovacuums', 0):>7} {b.get('queued', 0):>8,} {b['unstarted']:>9,}"
+            f"{b.get('archive_autovacuums', 0):>7} {b.get('queued', 0):>8,} {b['unstarted']:>9,} "
+            f"{base.mb(wal):>7} {fpi:>7,} {b.get('checkpoints', 0):>5}"
         )
 
     def s(v: Any, unit: str = "") -> str:
@@ -287,6 +306,7 @@ def _watch_lines(r: dict[str, Any]) -> list[str]:
         )
         lines.append("  " + _server_line(w.get("server_cores", {}), _done_per_s(r, phase)))
     lines += _archive_overlap(r)
+    lines += _late_buckets(r)
     worst = sorted(r.get("per_second", []), key=lambda x: -x["pickup_p99_ms"])[:5]
     if worst:
         lines.append(
@@ -296,6 +316,25 @@ def _watch_lines(r: dict[str, Any]) -> list[str]:
                 f"{x['offered']:,} / {x['completed']:,} / {x['archived']:,}"
                 for x in sorted(worst, key=lambda x: x["start"])
             )
+        )
+    return lines
+
+
+def _late_buckets(r: dict[str, Any]) -> list[str]:
+    """What ran in each bucket after the release whose p99 is over the
+    recovery bound (1.5x clean): which VACUUMs, in which phase, and the
+    busiest server roles."""
+    bound = 1.5 * r["clean_pickup_p99_ms"]
+    lines = []
+    for b in r["buckets"]:
+        w = b.get("watch")
+        if b["phase"] != "after" or b["pickup_p99_ms"] <= bound or not w:
+            continue
+        vacuums = ", ".join(f"{k} {v:.0%}" for k, v in w["vacuums"].items()) or "no VACUUM"
+        roles = ", ".join(f"{k} {v:.2f}" for k, v in list(w["server_cores"].items())[:4])
+        lines.append(
+            f"over the bound at {b['start']:.0f} s ({b['pickup_p99_ms']:.1f} ms > {bound:.1f}):"
+            f" {vacuums}; server cores: {roles}"
         )
     return lines
 
