@@ -3,9 +3,10 @@
 A queue table that keeps every job it ever ran grows with its history: its
 heap, its primary key and every pass of VACUUM grow with the jobs processed,
 not with the work in flight. So, as River's job cleaner and Oban's pruner do
-by default, each worker moves `done` jobs that finished more than
-`archive_after` ago (a minute by default) out of it, with
-`statements.archive_from(..., statuses=["done"], skip_locked=True)`: one
+by default, each worker moves `done` jobs out of it: as they complete, in
+the completion statement itself (`archive_after` 0, the default; see
+`at_completion`), and otherwise once they finished more than `archive_after`
+ago, with `statements.archive_from(..., statuses=["done"], skip_locked=True)`: one
 statement per batch of at most `BATCH` jobs, each its own transaction, each
 starting where the batch before it stopped in the heap, looping until a batch
 comes back short: a pass reads the table once. Moved, not deleted: the
@@ -189,13 +190,14 @@ class Archiver:
 
     def _due(self, now: float) -> bool:
         """A pass if jobs were finished since the last one; else only the one
-        pass their last ones still need once they are old enough."""
+        pass their last ones still need once they are old enough (none at
+        completion: a sweep takes every done job, whatever its age)."""
         count = self.finished()
         if self.seen is not None and count == self.seen:
             if self.tail_at is None or now < self.tail_at:
                 return False
             self.tail_at = None
-        else:
+        elif not at_completion(self.after):
             assert self.after is not None
             self.tail_at = now + self.after.total_seconds() + SLACK
         self.seen = count

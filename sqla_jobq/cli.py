@@ -554,18 +554,19 @@ def worker(
         typer.Option(
             envvar="JOBQ_VACUUM_DEAD_TUPLES",
             help="VACUUM the queue table (in the background, SKIP_LOCKED) once it has "
-            "this many dead tuples; needs the table's owner; 0: leave it to autovacuum.",
+            "this many dead tuples, and with TRUNCATE once a held snapshot left its heap "
+            "large and mostly empty; needs the table's owner; 0: leave it to autovacuum.",
         ),
     ] = 20_000,
     archive_after: Annotated[
         str,
         typer.Option(
             envvar="JOBQ_ARCHIVE_AFTER",
-            help="Move done jobs finished this long ago to TABLE_archive, in batches, in "
-            "the background (e.g. 60s, 1h; 0: as each one completes, in the same statement; "
-            "never: keep them).",
+            help="Move done jobs to TABLE_archive: 0, as each one completes, in the same "
+            "statement; a duration (e.g. 60s, 1h), once finished that long, in batches in "
+            "the background; never: keep them in the jobs table.",
         ),
-    ] = "60s",
+    ] = "0",
     log_level: Annotated[
         str, typer.Option(envvar="JOBQ_LOG_LEVEL", help="DEBUG, INFO, WARNING.")
     ] = "INFO",

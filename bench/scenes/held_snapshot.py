@@ -7,9 +7,9 @@ On a throwaway cluster (autovacuum on, default settings):
    completion), the median of three drains;
 2. the same worker, not in burst mode, works a steady offered load of half
    that rate (20 small INSERT transactions a second);
-3. after a warm-up (70 s: the worker archives done jobs 60 s after they
-   finish, so only then does it do all of its steady work) and a clean
-   minute, another session opens a `REPEATABLE READ`
+3. after a warm-up (70 s: a worker that archives done jobs 60 s after they
+   finish does all of its steady work only from then on; kept for every
+   setting, so runs compare) and a clean minute, another session opens a `REPEATABLE READ`
    transaction, reads one row of the jobs table (which takes its snapshot)
    and holds it for 3 minutes, then commits; the scene goes on for 3 more
    minutes to see it recover.
@@ -54,8 +54,8 @@ def run(
     how far a clean queue's 10 s buckets stray from the clean p99 alone.
     `server_settings` (`name=value`) change the cluster's defaults."""
     extra = worker_args or []
-    # The warm-up is not part of the clean baseline: before the first done jobs
-    # are old enough to archive (DEFAULT_ARCHIVE_AFTER, 60 s), the worker does
+    # The warm-up is not part of the clean baseline: with `--archive-after 60s`,
+    # before the first done jobs are old enough to archive, the worker does
     # less than it does from then on, through the hold and after it.
     warm, clean, hold, after = 70 * minutes, 60 * minutes, 180 * minutes, 180 * minutes
     every = base.SAMPLE_SECONDS if minutes >= 0.5 else 5.0

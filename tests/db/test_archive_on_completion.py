@@ -220,3 +220,25 @@ def test_a_locked_archive_sends_completions_in_place_and_the_sweep_moves_them_la
             )
         wait_until(lambda: sorted(rows_of(raw, archive_of(table))) == jobs, 30, "swept")
     assert rows_of(raw, table.name) == {}
+
+
+def test_an_idle_worker_archiving_at_once_sweeps_once_after_its_last_jobs_then_sends_nothing(
+    database_url: str, engine: Engine, table: Table, raw: Raw, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A serverless compute must be able to sleep: the completions moved the
+    jobs already, so one sweep notices the worker finished some and nothing
+    waits for them to age; after it, the worker sends nothing (its poll is
+    660 s away)."""
+    monkeypatch.setattr(archiving, "SWEEP_INTERVAL", 0.5)
+    options = {"archive_after": timedelta(0), "poll_interval": 660}
+    with running(registry_of(table), database_url, **options) as run:
+        archiver = run.worker.archiver
+        wait_until(lambda: archiver.passes == 1, 30, "the pass at start")
+        jobs = enqueue(engine, table, "noop", 3)
+        wait_until(lambda: sorted(rows_of(raw, archive_of(table))) == jobs, 30, "moved")
+        wait_until(lambda: archiver.passes == 2, 30, "the sweep after the jobs")
+        time.sleep(0.5)  # the job log's batch, the presence beat: settled
+        before = archiving_tests.sessions(raw)
+        time.sleep(8 * archiving.SWEEP_INTERVAL)
+        assert archiving_tests.sessions(raw) == before, "an idle worker touched the database"
+        assert archiver.passes == 2

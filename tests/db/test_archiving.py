@@ -88,9 +88,10 @@ def sessions(raw: Raw) -> dict[int, datetime]:
     return {int(str(p)): s for p, s in rows if isinstance(s, datetime)}
 
 
-def test_the_default_is_a_minute_and_none_keeps_done_jobs() -> None:
+def test_the_default_archives_at_completion_and_none_keeps_done_jobs() -> None:
     options = WorkerOptions(database_url="postgresql://unused/db")
-    assert options.archive_after == DEFAULT_ARCHIVE_AFTER == timedelta(seconds=60)
+    assert options.archive_after == DEFAULT_ARCHIVE_AFTER == timedelta(0)
+    assert archiving.at_completion(options.archive_after)
     assert WorkerOptions(database_url="x", archive_after=None).archive_after is None
     with pytest.raises(ValueError, match="archive-after must not be negative"):
         WorkerOptions(database_url="x", archive_after=timedelta(seconds=-1))
@@ -157,14 +158,14 @@ def test_a_worker_started_on_a_long_history_moves_it_in_batches_in_the_backgroun
     with running(registry_of(table), database_url, poll_interval=0.2) as run:
         [job] = enqueue(engine, table, "noop")
         wait_until(
-            lambda: ids_in(raw, table.name, f"id = {job} AND status = 'done'") == [job],
+            lambda: ids_in(raw, archive_of(table), f"id = {job}") == [job],
             30,
-            "a new job done meanwhile",
+            "a new job done (and moved as it completed) meanwhile",
         )
-        wait_until(lambda: ids_in(raw, table.name) == [job], 60, "the history moved")
+        wait_until(lambda: ids_in(raw, table.name) == [], 60, "the history moved")
         archiver = run.worker.archiver
         assert archiver.batches >= 11  # 10 full batches, then a short one
-    assert ids_in(raw, archive_of(table)) == history
+    assert ids_in(raw, archive_of(table)) == sorted([*history, job])
     assert any(f"archived {len(history):,} done jobs" in r.getMessage() for r in caplog.records)
 
 

@@ -31,6 +31,7 @@ from sqla_jobq.threads import SWITCH_INTERVAL
 from tests.support import APP_DIR
 from tests.support.processes import JOBQ
 from tests.support.queues import drop_queue_table
+from tests.support.rows import job_now as job
 from tests.support.workerapp import SIDE_DDL
 
 Raw = psycopg.Connection[Any]
@@ -62,15 +63,6 @@ def jobq(database_url: str, table: Table) -> Jobq:
 def rows(raw: Raw, table: Table) -> list[dict[str, Any]]:
     with raw.cursor(row_factory=dict_row) as cur:
         return cur.execute(f'SELECT * FROM "{table.name}" ORDER BY id').fetchall()
-
-
-def job(raw: Raw, table: Table, job_id: int) -> dict[str, Any]:
-    with raw.cursor(row_factory=dict_row) as cur:
-        row = cur.execute(
-            f'SELECT *, now() AS db_now FROM "{table.name}" WHERE id = %s', (job_id,)
-        ).fetchone()
-    assert row is not None
-    return row
 
 
 def ok(result: subprocess.CompletedProcess[str]) -> str:
@@ -514,8 +506,8 @@ def test_a_burst_worker_archives_what_earlier_runs_finished_unless_told_never(
 ) -> None:
     """A burst run from cron lasts seconds: its pass at start, run to the end
     before it exits (every batch of it), moves the done jobs earlier runs left
-    (a minute old by default); `--archive-after never` (or JOBQ_ARCHIVE_AFTER)
-    keeps them."""
+    (all of them at the default, those that old with a duration);
+    `--archive-after never` (or JOBQ_ARCHIVE_AFTER) keeps them."""
     archive = f"{table.name}_archive"
 
     def history(count: int) -> None:

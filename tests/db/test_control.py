@@ -14,14 +14,11 @@ from sqlalchemy import Engine, Table
 
 from sqla_jobq import Registry, client, current_job, queue_statements, statements
 from tests.support.inprocess import Side, burst, running
-from tests.support.rows import enqueue
+from tests.support.rows import enqueue, every_job
 from tests.support.rows import job_row as row
 from tests.support.waiting import wait_until
 
 Raw = psycopg.Connection[Any]
-
-
-
 
 
 def cancel(engine: Engine, table: Table, job_id: int) -> None:
@@ -138,12 +135,14 @@ def test_two_workers_enqueue_each_fire_time_once_and_pass_it_to_the_handler(
     def tick() -> None:
         seen.append(current_job().scheduled_for)
 
-    with running(registry, database_url, poll_interval=30), running(
-        registry, database_url, poll_interval=30
+    with (
+        running(registry, database_url, poll_interval=30),
+        running(registry, database_url, poll_interval=30),
     ):
         wait_until(lambda: len(seen) >= 3, 15, "three fires")
     fires = raw.execute(
-        f'SELECT scheduled_for, count(*) FROM "{table.name}" WHERE task = %s GROUP BY 1',
+        "SELECT scheduled_for, count(*) "
+        f"FROM {every_job(table, 'scheduled_for, task')} WHERE task = %s GROUP BY 1",
         ("tick",),
     ).fetchall()
     assert fires and all(n == 1 for _, n in fires), fires

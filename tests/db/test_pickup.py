@@ -27,7 +27,7 @@ from sqla_jobq import Registry, client, current_job, queue_statements, statement
 from sqla_jobq.db import conninfo, worker_name
 from sqla_jobq.observe import Observer
 from tests.support.inprocess import Side, running
-from tests.support.rows import enqueue
+from tests.support.rows import enqueue, every_job
 from tests.support.rows import job_row as row
 from tests.support.waiting import wait_until
 
@@ -150,7 +150,7 @@ def test_idle_claims_racing_the_loop_never_run_more_jobs_at_once_than_its_concur
         wait_until(
             lambda: (
                 raw.execute(
-                    f"SELECT count(*) FROM \"{table.name}\" WHERE status = 'done'"
+                    f"SELECT count(*) FROM {every_job(table, 'status')} WHERE status = 'done'"
                 ).fetchone()
                 == (2 * pairs,)
             ),
@@ -159,7 +159,9 @@ def test_idle_claims_racing_the_loop_never_run_more_jobs_at_once_than_its_concur
         )
         assert run.worker.pickup is not None and run.worker.pickup.picked > 0
     assert peak[0] == 1 and Peak.most == 1, (peak[0], Peak.most)
-    attempts = raw.execute(f'SELECT DISTINCT attempts FROM "{table.name}"').fetchall()
+    attempts = raw.execute(
+        f"SELECT DISTINCT attempts FROM {every_job(table, 'attempts')}"
+    ).fetchall()
     assert attempts == [(1,)]
     ran = raw.execute(f'SELECT job_id, count(*) FROM "{side.name}" GROUP BY job_id').fetchall()
     assert len(ran) == 2 * pairs and {n for _, n in ran} == {1}

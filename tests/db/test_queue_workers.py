@@ -23,6 +23,7 @@ from sqla_jobq.statements import NewJob
 from tests.db.test_worker import WorkerProcess, events, wait_idle
 from tests.support import APP_DIR
 from tests.support.processes import JOBQ
+from tests.support.rows import every_job
 from tests.support.waiting import wait_until
 from tests.support.workerapp import SIDE_DDL
 
@@ -71,7 +72,11 @@ def start(database_url: str, table: Table, side: str, tmp_path: Path) -> Iterato
 
 
 def statuses(raw: Raw, table: Table) -> dict[str, int]:
-    return dict(raw.execute(f'SELECT status, count(*) FROM "{table.name}" GROUP BY 1').fetchall())
+    return dict(
+        raw.execute(
+            f"SELECT status, count(*) FROM {every_job(table, 'status')} GROUP BY 1"
+        ).fetchall()
+    )
 
 
 def most_at_once(raw: Raw, side: str) -> int:

@@ -26,7 +26,7 @@ from sqla_jobq import worker as worker_module
 from sqla_jobq.attempt import Attempt
 from sqla_jobq.db import conninfo
 from tests.support.inprocess import Side, burst, running
-from tests.support.rows import enqueue
+from tests.support.rows import enqueue, every_job
 from tests.support.rows import job_row as row
 from tests.support.waiting import wait_until
 
@@ -38,7 +38,9 @@ class Oops(BaseException):
 
 
 def statuses(raw: Raw, table: Table) -> dict[str, int]:
-    rows = raw.execute(f'SELECT status, count(*) FROM "{table.name}" GROUP BY status').fetchall()
+    rows = raw.execute(
+        f"SELECT status, count(*) FROM {every_job(table, 'status')} GROUP BY status"
+    ).fetchall()
     return {str(s): int(n) for s, n in rows}
 
 
@@ -209,7 +211,7 @@ def test_reclaimed_job_keeps_its_lease_while_its_lost_first_attempt_ends(
     with running(registry, database_url, concurrency=2, reap_interval=0.2, poll_interval=0.2):
         wait_until(lambda: side.events(job_id), 10, "attempt 1 to start")
         raw.execute(  # the lease is taken away while attempt 1 still runs
-            f'UPDATE "{table.name}" SET locked_until = now() - interval \'1 s\' WHERE id = %s',
+            f"UPDATE \"{table.name}\" SET locked_until = now() - interval '1 s' WHERE id = %s",
             (job_id,),
         )
         wait_until(lambda: row(raw, table, job_id)["status"] == "done", 30, "the job done")
@@ -240,9 +242,10 @@ def test_heartbeats_go_on_while_a_completion_waits_on_another_sessions_row_lock(
 
     long_id = enqueue(engine, table, "long")
     quick_id = enqueue(engine, table, "quick")
-    with running(registry, database_url, concurrency=2), psycopg.connect(
-        conninfo(database_url)
-    ) as holder:
+    with (
+        running(registry, database_url, concurrency=2),
+        psycopg.connect(conninfo(database_url)) as holder,
+    ):
         wait_until(lambda: side.events(quick_id), 10, "the quick job to run")
         holder.execute(f'SELECT 1 FROM "{table.name}" WHERE id = %s FOR UPDATE', (quick_id,))
         locked.set()
@@ -462,7 +465,8 @@ def test_stop_while_handler_threads_turn_slots_over_runs_nothing_twice_nor_stran
     found = {
         r[0]: r[1:]
         for r in raw.execute(
-            f'SELECT id, status, attempts, max_attempts FROM "{table.name}" WHERE id = ANY(%s)',
+            "SELECT id, status, attempts, max_attempts FROM "
+            f"{every_job(table, 'id, status, attempts, max_attempts')} WHERE id = ANY(%s)",
             (ids,),
         )
     }

@@ -16,6 +16,7 @@ import pytest
 from sqlalchemy import Engine, Table
 
 from sqla_jobq import statements
+from tests.support.rows import every_job
 
 IDLE_WINDOW = 20.0
 
@@ -39,8 +40,17 @@ def idle_worker(tmp_path: Path, database_url: str, table: Table) -> Iterator[int
     (tmp_path / "idle_tasks.py").write_text(TASKS)
     env = dict(os.environ, JOBQ_TEST_TABLE=table.name, JOBQ_DATABASE_URL=database_url)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "sqla_jobq", "worker", "idle_tasks:registry",
-         "--poll-interval", "660", "--log-level", "WARNING"],
+        [
+            sys.executable,
+            "-m",
+            "sqla_jobq",
+            "worker",
+            "idle_tasks:registry",
+            "--poll-interval",
+            "660",
+            "--log-level",
+            "WARNING",
+        ],
         cwd=tmp_path,
         env=env,
     )
@@ -92,7 +102,9 @@ def test_idle_worker_sends_no_query_and_still_starts_a_new_job_at_once(
     enqueued = time.monotonic()
 
     def done() -> bool:
-        row = raw.execute(f'SELECT status FROM "{table.name}" WHERE id = %s', (job_id,)).fetchone()
+        row = raw.execute(
+            f"SELECT status FROM {every_job(table, 'id, status')} WHERE id = %s", (job_id,)
+        ).fetchone()
         return row is not None and row[0] == "done"
 
     _wait_for(done, 10)
@@ -107,8 +119,19 @@ def lazy_worker(tmp_path: Path, database_url: str, table: Table) -> Iterator[int
     (tmp_path / "idle_tasks.py").write_text(TASKS)
     env = dict(os.environ, JOBQ_TEST_TABLE=table.name, JOBQ_DATABASE_URL=database_url)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "sqla_jobq", "worker", "idle_tasks:registry",
-         "--poll-interval", str(LAZY_POLL), "--reconnect", "lazy", "--log-level", "WARNING"],
+        [
+            sys.executable,
+            "-m",
+            "sqla_jobq",
+            "worker",
+            "idle_tasks:registry",
+            "--poll-interval",
+            str(LAZY_POLL),
+            "--reconnect",
+            "lazy",
+            "--log-level",
+            "WARNING",
+        ],
         cwd=tmp_path,
         env=env,
     )
@@ -139,7 +162,9 @@ def test_lazy_worker_cut_off_while_idle_reconnects_only_at_its_next_poll(
         job_id = conn.execute(statements.enqueue(table, "noop", {})).scalar_one()
 
     def done() -> bool:
-        row = raw.execute(f'SELECT status FROM "{table.name}" WHERE id = %s', (job_id,)).fetchone()
+        row = raw.execute(
+            f"SELECT status FROM {every_job(table, 'id, status')} WHERE id = %s", (job_id,)
+        ).fetchone()
         return row is not None and row[0] == "done"
 
     _wait_for(done, LAZY_POLL)  # nobody listened: the next poll finds it

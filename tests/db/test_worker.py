@@ -28,6 +28,8 @@ from sqla_jobq.db import connect_kwargs, conninfo
 from sqla_jobq.statements import NewJob
 from tests.support import APP_DIR
 from tests.support.processes import JOBQ
+from tests.support.rows import every_job
+from tests.support.rows import job_now as job
 from tests.support.waiting import wait_until
 from tests.support.workerapp import SIDE_DDL
 
@@ -131,15 +133,6 @@ def enqueue(engine: Engine, table: Table, task: str, payload: Any = None, **opti
         return client.enqueue(conn, table, task, payload or {}, **options)
 
 
-def job(raw: Raw, table: Table, job_id: int) -> dict[str, Any]:
-    with raw.cursor(row_factory=dict_row) as cur:
-        row = cur.execute(
-            f'SELECT *, now() AS db_now FROM "{table.name}" WHERE id = %s', (job_id,)
-        ).fetchone()
-    assert row is not None, f"job {job_id} is gone"
-    return row
-
-
 def wait_status(
     raw: Raw, table: Table, job_id: int, status: str, timeout: float = 30
 ) -> dict[str, Any]:
@@ -223,7 +216,8 @@ def test_two_burst_workers_execute_10000_jobs_each_exactly_once(
         assert worker.wait(timeout=180) == 0, worker.log()
 
     done, max_attempts = raw.execute(
-        f"SELECT count(*) FILTER (WHERE status = 'done'), max(attempts) FROM \"{table.name}\""
+        "SELECT count(*) FILTER (WHERE status = 'done'), max(attempts) "
+        f"FROM {every_job(table, 'status, attempts')}"
     ).fetchone()  # type: ignore[misc]
     assert (done, max_attempts) == (10_000, 1)
     executed, distinct, most, attempts = raw.execute(

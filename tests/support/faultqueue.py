@@ -207,8 +207,8 @@ class FaultQueue:
 
     def finished_or_not(self, columns: str = "id, status") -> list[Any]:
         """`columns` of every job, in the jobs table or moved to the archive
-        (workers move done jobs there after `--archive-after`, 60 s by
-        default): one statement, so a job moving meanwhile is seen once."""
+        (workers move done jobs there as they complete them, by default, or after
+        `--archive-after`): one statement, so a job moving meanwhile is seen once."""
         return self.sql(" UNION ALL ".join(self._both(columns)))
 
     def check_all_done(self, ids: Sequence[int] | None = None) -> None:

@@ -9,6 +9,7 @@ from psycopg.rows import dict_row
 from sqlalchemy import Engine, Table
 
 from sqla_jobq import client
+from sqla_jobq.schema import names_of
 
 Raw = psycopg.Connection[Any]
 
@@ -24,10 +25,35 @@ def enqueue(engine: Engine, table: Table, task: str, payload: Any = None, **kw: 
 
 
 def job_row(raw: Raw, table: Table, job_id: int, columns: str = STATE) -> dict[str, Any]:
-    """A job's row as it is now (it must exist)."""
+    """A job's row as it is now, in the jobs table or, once a worker has
+    moved it (at completion, by default), in the archive (it must exist)."""
     with raw.cursor(row_factory=dict_row) as cur:
-        found = cur.execute(
-            f'SELECT {columns} FROM "{table.name}" WHERE id = %s', (job_id,)
-        ).fetchone()
-    assert found is not None, f"job {job_id} is gone"
-    return found
+        for name in (table.name, names_of(table).archive):
+            found = cur.execute(f'SELECT {columns} FROM "{name}" WHERE id = %s', (job_id,))
+            row = found.fetchone()
+            if row is not None:
+                return row
+    raise AssertionError(f"job {job_id} is gone")
+
+
+def job_now(raw: Raw, table: Table, job_id: int) -> dict[str, Any]:
+    """Every column of a job's row, from the jobs table or the archive, with
+    the server's `now()` as `db_now` (to compare its times with)."""
+    with raw.cursor(row_factory=dict_row) as cur:
+        for name in (table.name, names_of(table).archive):
+            found = cur.execute(f'SELECT *, now() AS db_now FROM "{name}" WHERE id = %s', (job_id,))
+            row = found.fetchone()
+            if row is not None:
+                return row
+    raise AssertionError(f"job {job_id} is gone")
+
+
+def every_job(table: Table, columns: str) -> str:
+    """A FROM item over the jobs table and its archive together: a worker
+    moves each job to the archive as it completes it (by default), so what
+    a test counts or reads back about finished jobs spans both."""
+    archive = names_of(table).archive
+    return (
+        f'(SELECT {columns} FROM "{table.name}" '
+        f'UNION ALL SELECT {columns} FROM "{archive}") AS every_job'
+    )
