@@ -136,8 +136,8 @@ class Outcome:
 
 def with_archive(table: str = "jobs", columns: str = "*") -> str:
     """The jobs table and its archive as one relation (for FROM): workers move
-    done jobs there after `--archive-after` (60 s by default), and a drain or a
-    scene read back from the rows must count them."""
+    done jobs there as they complete (by default) or after `--archive-after`,
+    and a drain or a scene read back from the rows must count them."""
     return (
         f"(SELECT {columns} FROM {table} "
         f"UNION ALL SELECT {columns} FROM {table}_archive) AS {table}"

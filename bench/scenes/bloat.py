@@ -6,8 +6,8 @@ works no-op jobs for 3 minutes while a producer tops the queue back up to
 about 4,000 ready jobs every 20 ms (INSERTs of 1,000). Every 10 s: jobs
 completed, `n_dead_tup`, live tuples, heap, index and total size of the jobs
 table, autovacuum runs, and the archive (`jobs_archive`, where the worker
-moves done jobs after `--archive-after`, 60 s by default): its size and the
-rows moved into it. At the end: the peak of dead tuples, and whether the
+moves done jobs as they complete, by default, or after `--archive-after`):
+its size and the rows moved into it. At the end: the peak of dead tuples, and whether the
 jobs table's size levels off (growth over the last third of the run against
 the first).
 
