@@ -554,8 +554,7 @@ def worker(
         typer.Option(
             envvar="JOBQ_VACUUM_DEAD_TUPLES",
             help="VACUUM the queue table (in the background, SKIP_LOCKED) once it has "
-            "this many dead tuples, and with TRUNCATE once a held snapshot left its heap "
-            "large and mostly empty; needs the table's owner; 0: leave it to autovacuum.",
+            "this many dead tuples; needs the table's owner; 0: leave it to autovacuum.",
         ),
     ] = 20_000,
     archive_after: Annotated[

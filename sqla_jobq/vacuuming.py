@@ -17,10 +17,6 @@ look sends no query. A VACUUM that removes little (a snapshot held somewhere
 keeps the dead tuples needed) makes the next one wait twice as long, up to a
 minute. A role that may not vacuum the table (only its owner may) is told so
 by the server; the worker then logs it once and leaves the table to autovacuum.
-
-A heap a held snapshot let grow, and that VACUUM has since emptied, gets one
-`VACUUM (TRUNCATE)` (see SPARSE_PAGES): autovacuum never truncates the jobs
-table (schema step 8), and left that large it no longer fits shared_buffers.
 """
 
 from __future__ import annotations
@@ -28,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable
 from typing import Any
 
 import psycopg
@@ -41,18 +36,6 @@ log = logging.getLogger("sqla_jobq.vacuum")
 
 # How often a busy worker looks at the dead-tuple count.
 CHECK_SECONDS = 2.0
-# A heap at least this large (8 KB pages: 64 MB) holding fewer live rows than
-# pages is mostly empty space: what a snapshot held elsewhere for minutes
-# leaves once VACUUM has run. Autovacuum never gives it back (schema step 8),
-# and new rows then spread over all of it: a 400 MB heap no longer fits the
-# default 128 MB of shared_buffers, every page a job lands on is read in and
-# written out again, and pickup p99 stayed 1.4x its clean value minutes after
-# the release (bench.scenes held-snapshot; with shared_buffers at 1 GB it was
-# back at once). So the worker then runs one `VACUUM (TRUNCATE)`, whatever
-# the dead tuples, at most every TRUNCATE_EVERY seconds (its tail may still
-# hold live rows; they leave within seconds).
-SPARSE_PAGES = 8192
-TRUNCATE_EVERY = 60.0
 # Waiting after a VACUUM that removed less than half of what it found.
 BACKOFF_START = 2.0
 BACKOFF_MAX = 60.0
@@ -67,8 +50,6 @@ class Vacuumer:
         self.prepared = prepared
         self.count_sql = compiled(dead_tuples(table))
         self.vacuum_sql = compiled(vacuum(table))[0]
-        self.truncate_sql = compiled(vacuum(table, truncate=True))[0]
-        self.next_truncate = float("-inf")
         self.qualified = table.fullname
         self.last_check = float("-inf")
         self.not_before = float("-inf")
@@ -92,12 +73,9 @@ class Vacuumer:
         self.last_check = now
         sql, params = self.count_sql
         rows = await (await conn.execute(sql, params)).fetchall()
-        dead, pages, live = _state(rows[0].values() if rows else None)
-        shrink = sparse(pages, live) and now >= self.next_truncate
-        if (dead >= self.threshold or shrink) and now >= self.not_before:
-            if shrink:
-                self.next_truncate = now + TRUNCATE_EVERY
-            self.running = asyncio.create_task(self._vacuum(dead, pages, shrink), name="vacuum")
+        dead = int(str(rows[0]["dead"])) if rows else 0
+        if dead >= self.threshold and now >= self.not_before:
+            self.running = asyncio.create_task(self._vacuum(dead), name="vacuum")
 
     async def stop(self) -> None:
         task = self.running
@@ -105,7 +83,7 @@ class Vacuumer:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
 
-    async def _vacuum(self, before: int, pages: int, truncate: bool) -> None:
+    async def _vacuum(self, before: int) -> None:
         started = time.monotonic()
         notices: list[str] = []
         conn: psycopg.AsyncConnection[tuple[Any, ...]] | None = None
@@ -114,7 +92,7 @@ class Vacuumer:
                 self.url, **connect_kwargs(self.prepared)
             )
             conn.add_notice_handler(lambda d: notices.append(d.message_primary or ""))
-            await conn.execute(self.truncate_sql if truncate else self.vacuum_sql)
+            await conn.execute(self.vacuum_sql)
             rows = await (await conn.execute(*self.count_sql)).fetchall()
         except psycopg.Error as exc:
             log.warning("could not vacuum %s: %s", self.qualified, exc)
@@ -122,13 +100,9 @@ class Vacuumer:
             return
         finally:
             await close_quietly(conn, log)
-        after, pages_after, _ = _state(rows[0] if rows else None)
-        shrunk = f"; heap {pages:,} pages -> {pages_after:,}" if truncate else ""
-        self._judge(before, after, notices, started, shrunk)
+        self._judge(before, int(str(rows[0][0])) if rows else 0, notices, started)
 
-    def _judge(
-        self, before: int, after: int, notices: list[str], started: float, shrunk: str = ""
-    ) -> None:
+    def _judge(self, before: int, after: int, notices: list[str], started: float) -> None:
         took = time.monotonic() - started
         if any("only table or database owner" in n or "permission" in n for n in notices):
             self.refused = True
@@ -148,26 +122,12 @@ class Vacuumer:
             self.backoff = 0.0
         self.not_before = time.monotonic() + self.backoff
         log.info(
-            "vacuumed %s in %.2fs: dead tuples %d -> %d%s%s",
+            "vacuumed %s in %.2fs: dead tuples %d -> %d%s",
             self.qualified,
             took,
             before,
             after,
-            shrunk,
             f"; a snapshot holds them? next vacuum in {self.backoff:.0f}s at the earliest"
             if self.backoff
             else "",
         )
-
-
-def sparse(pages: int, live: int) -> bool:
-    """A large heap with fewer live rows than pages (`live` -1: never counted)."""
-    return pages >= SPARSE_PAGES and 0 <= live < pages
-
-
-def _state(row: Iterable[object] | None) -> tuple[int, int, int]:
-    """`dead_tuples`' row as (dead, pages, live); zeros before statistics exist."""
-    if row is None:
-        return 0, 0, -1
-    dead, pages, live = row
-    return int(str(dead)), int(str(pages)), int(float(str(live)))

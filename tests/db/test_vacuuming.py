@@ -20,7 +20,7 @@ from psycopg.rows import dict_row
 from sqlalchemy import Engine, Table
 from sqlalchemy.engine import make_url
 
-from sqla_jobq import Registry, client, vacuuming
+from sqla_jobq import Registry, client
 from sqla_jobq.db import conninfo
 from sqla_jobq.job import NewJob
 from sqla_jobq.vacuuming import BACKOFF_START, Vacuumer
@@ -183,43 +183,3 @@ def test_a_vacuum_that_removes_little_makes_the_next_wait_longer(table: Table) -
     assert vacuumer.not_before > time.monotonic()
     vacuumer._judge(before=10_000, after=100, notices=[], started=started)
     assert vacuumer.backoff == 0.0
-
-
-def heap_pages(raw: Raw, table: Table) -> int:
-    row = raw.execute(
-        "SELECT pg_relation_size(%s::regclass) / current_setting('block_size')::int",
-        (table.name,),
-    ).fetchone()
-    assert row is not None
-    return int(row[0])
-
-
-def test_a_worker_gives_back_a_heap_left_mostly_empty_and_vacuum_alone_keeps_it(
-    database_url: str,
-    engine: Engine,
-    raw: Raw,
-    table: Table,
-    caplog: pytest.LogCaptureFixture,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """A long transaction elsewhere lets the heap grow to hundreds of MB; once
-    VACUUM has emptied it, autovacuum leaves it that size (schema step 8 turns
-    truncation off), and new rows spread over all of it. A worker that finds
-    fewer live rows than pages in a large heap runs one `VACUUM (TRUNCATE)`,
-    even below its dead-tuple threshold, and the heap shrinks back."""
-    caplog.set_level(logging.INFO, logger="sqla_jobq.vacuum")
-    monkeypatch.setattr(vacuuming, "SPARSE_PAGES", 100)
-    with engine.begin() as conn:
-        client.enqueue_many(conn, table, [NewJob("noop", {"pad": "x" * 1500}) for _ in range(2000)])
-    raw.execute(f'DELETE FROM "{table.name}"')
-    raw.execute(f'VACUUM "{table.name}"')
-    grown = heap_pages(raw, table)
-    assert grown >= 300, "a plain VACUUM gave the pages back: is truncation still off?"
-    enqueue(engine, table, 50)
-    with running(
-        noop_registry(table), database_url, vacuum_dead_tuples=1_000_000, poll_interval=0.2
-    ):
-        wait_until(lambda: done(raw, table) == 50, 60, "the jobs done")
-        wait_until(lambda: heap_pages(raw, table) < 50, 30, "the heap given back")
-    shrunk = [m for m in vacuum_lines(caplog) if "heap" in m]
-    assert shrunk and f"{grown:,} pages" in shrunk[0], vacuum_lines(caplog)
