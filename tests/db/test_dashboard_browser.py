@@ -21,6 +21,7 @@ from sqlalchemy import Engine, Table
 from sqla_jobq import Registry, client, dashboard
 from sqla_jobq.dashboard.server import bind
 from tests.support.inprocess import Side, running
+from tests.support.rows import job_row
 from tests.support.waiting import wait_until
 
 CHROMIUM = "/usr/bin/chromium"
@@ -139,9 +140,8 @@ def test_script_in_a_payload_or_error_shows_as_text_and_never_runs(
 
 
 def status_of(raw: Raw, table: Table, job_id: int) -> str:
-    row = raw.execute(f'SELECT status FROM "{table.name}" WHERE id = %s', (job_id,)).fetchone()
-    assert row is not None
-    return str(row[0])
+    """Where a job stands, in the jobs table or (done, by default) the archive."""
+    return str(job_row(raw, table, job_id, "status")["status"])
 
 
 def test_pausing_a_queue_in_the_overview_stops_a_real_worker_until_it_is_resumed(

@@ -35,25 +35,19 @@ TASKS = textwrap.dedent(
 )
 
 
-@pytest.fixture
-def idle_worker(tmp_path: Path, database_url: str, table: Table) -> Iterator[int]:
+def _start_worker(
+    tmp_path: Path, database_url: str, table: Table, *options: str
+) -> subprocess.Popen[bytes]:
+    """`jobq worker` on the idle tasks, at WARNING, with `options`."""
     (tmp_path / "idle_tasks.py").write_text(TASKS)
     env = dict(os.environ, JOBQ_TEST_TABLE=table.name, JOBQ_DATABASE_URL=database_url)
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "sqla_jobq",
-            "worker",
-            "idle_tasks:registry",
-            "--poll-interval",
-            "660",
-            "--log-level",
-            "WARNING",
-        ],
-        cwd=tmp_path,
-        env=env,
-    )
+    command = [sys.executable, "-m", "sqla_jobq", "worker", "idle_tasks:registry", *options]
+    return subprocess.Popen([*command, "--log-level", "WARNING"], cwd=tmp_path, env=env)
+
+
+@pytest.fixture
+def idle_worker(tmp_path: Path, database_url: str, table: Table) -> Iterator[int]:
+    proc = _start_worker(tmp_path, database_url, table, "--poll-interval", "660")
     yield proc.pid
     proc.terminate()
     proc.wait(timeout=30)
@@ -116,24 +110,8 @@ LAZY_POLL = 30.0
 
 @pytest.fixture
 def lazy_worker(tmp_path: Path, database_url: str, table: Table) -> Iterator[int]:
-    (tmp_path / "idle_tasks.py").write_text(TASKS)
-    env = dict(os.environ, JOBQ_TEST_TABLE=table.name, JOBQ_DATABASE_URL=database_url)
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "sqla_jobq",
-            "worker",
-            "idle_tasks:registry",
-            "--poll-interval",
-            str(LAZY_POLL),
-            "--reconnect",
-            "lazy",
-            "--log-level",
-            "WARNING",
-        ],
-        cwd=tmp_path,
-        env=env,
+    proc = _start_worker(
+        tmp_path, database_url, table, "--poll-interval", str(LAZY_POLL), "--reconnect", "lazy"
     )
     yield proc.pid
     proc.terminate()

@@ -37,15 +37,9 @@ def job_row(raw: Raw, table: Table, job_id: int, columns: str = STATE) -> dict[s
 
 
 def job_now(raw: Raw, table: Table, job_id: int) -> dict[str, Any]:
-    """Every column of a job's row, from the jobs table or the archive, with
-    the server's `now()` as `db_now` (to compare its times with)."""
-    with raw.cursor(row_factory=dict_row) as cur:
-        for name in (table.name, names_of(table).archive):
-            found = cur.execute(f'SELECT *, now() AS db_now FROM "{name}" WHERE id = %s', (job_id,))
-            row = found.fetchone()
-            if row is not None:
-                return row
-    raise AssertionError(f"job {job_id} is gone")
+    """Every column of a job's row, wherever it is, with the server's `now()`
+    as `db_now` (to compare its times with)."""
+    return job_row(raw, table, job_id, "*, now() AS db_now")
 
 
 def every_job(table: Table, columns: str) -> str:
