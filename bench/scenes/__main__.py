@@ -56,6 +56,12 @@ def main() -> int:
         help="held-snapshot: a server setting for the throwaway cluster (repeatable), "
         "e.g. --server-setting=shared_buffers=1GB",
     )
+    parser.add_argument(
+        "--on-release",
+        default=None,
+        help="held-snapshot: a statement another session runs in autocommit as the "
+        "snapshot is released, e.g. --on-release='REINDEX TABLE CONCURRENTLY jobs'",
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
 
@@ -74,6 +80,7 @@ def main() -> int:
             args.worker_arg,
             held=not args.no_hold,
             server_settings=args.server_setting,
+            on_release=args.on_release,
         )
     else:
         result = SCENES[args.scene].run(args.minutes, log)

@@ -243,6 +243,11 @@ class Sample:
     wal_bytes: int = 0  # WAL written by the cluster so far (pg_stat_wal)
     wal_fpi: int = 0  # full-page images in it: a page's first change after a checkpoint
     checkpoints: int = 0  # checkpoints started so far, timed and requested
+    heap_read: int = 0  # jobs heap blocks not found in shared_buffers (read from the OS)
+    heap_hit: int = 0  # jobs heap blocks found in shared_buffers
+    idx_read: int = 0  # the same for all of the jobs table's indexes
+    idx_hit: int = 0
+    backend_writes: int = 0  # dirty buffers a backend had to write out itself to reuse
 
 
 def sample(conn: psycopg.Connection[Any], t: float) -> Sample:
@@ -269,8 +274,11 @@ def sample(conn: psycopg.Connection[Any], t: float) -> Sample:
         int(v) for v in row
     )
     wal = conn.execute(
-        "SELECT w.wal_bytes, w.wal_fpi, b.checkpoints_timed + b.checkpoints_req "
-        "FROM pg_stat_wal w, pg_stat_bgwriter b"
+        "SELECT w.wal_bytes, w.wal_fpi, b.checkpoints_timed + b.checkpoints_req, "
+        "coalesce(s.heap_blks_read, 0), coalesce(s.heap_blks_hit, 0), "
+        "coalesce(s.idx_blks_read, 0), coalesce(s.idx_blks_hit, 0), b.buffers_backend "
+        "FROM pg_stat_wal w, pg_stat_bgwriter b "
+        "LEFT JOIN pg_statio_user_tables s ON s.relname = 'jobs'"
     ).fetchone()
     assert wal is not None
     return Sample(

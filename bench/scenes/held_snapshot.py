@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -44,6 +45,7 @@ def run(
     worker_args: list[str] | None = None,
     held: bool = True,
     server_settings: Sequence[str] = (),
+    on_release: str | None = None,
 ) -> dict[str, Any]:
     """`offered_rate` (jobs/s) replaces half the saturated rate: the same
     absolute load as another run, when comparing two versions of the worker
@@ -52,7 +54,10 @@ def run(
     `held` False is the control run: everything else the same, the other
     session reads in autocommit and holds nothing, so the "after" phase shows
     how far a clean queue's 10 s buckets stray from the clean p99 alone.
-    `server_settings` (`name=value`) change the cluster's defaults."""
+    `server_settings` (`name=value`) change the cluster's defaults.
+    `on_release` is a statement another session runs in autocommit as the
+    snapshot is released (say `REINDEX TABLE CONCURRENTLY jobs`), in the
+    background so the scene's clock goes on: a remedy tried before building it."""
     extra = worker_args or []
     # The warm-up is not part of the clean baseline: with `--archive-after 60s`,
     # before the first done jobs are old enough to archive, the worker does
@@ -102,7 +107,10 @@ def run(
                 holder.commit()
                 hold_end = time.monotonic() - t0
                 log(f"  -- {hold_end:.0f} s: snapshot released")
+                remedy = _Remedy(cluster.dsn(), on_release, t0, log) if on_release else None
                 time.sleep(max(0.0, t0 + warm + clean + hold + after - time.monotonic()))
+                if remedy is not None:
+                    remedy.join()
             finally:
                 holder.close()
                 for thread in (producer, sampler, watch):
@@ -128,6 +136,7 @@ def run(
     result["worker_args"] = extra
     result["held"] = held
     result["server_settings"] = list(server_settings)
+    result["on_release"] = on_release
     result["watch"] = {
         "warm": base.watch_summary(watch.glimpses, 0, warm),
         "clean": base.watch_summary(watch.glimpses, warm, hold_start),
@@ -138,6 +147,24 @@ def run(
         b["watch"] = base.watch_summary(watch.glimpses, b["start"], b["start"] + every)
     result["per_second"] = [asdict(s) for s in seconds]
     return result
+
+
+class _Remedy(threading.Thread):
+    """Runs one statement in autocommit and logs how long it took."""
+
+    def __init__(self, dsn: str, sql: str, t0: float, log: Any) -> None:
+        super().__init__(daemon=True)
+        self.dsn, self.sql, self.t0, self.log = dsn, sql, t0, log
+        self.start()
+
+    def run(self) -> None:
+        began = time.monotonic()
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            conn.execute(self.sql)
+        self.log(
+            f"  -- {time.monotonic() - self.t0:.0f} s: {self.sql!r} took "
+            f"{time.monotonic() - began:.1f} s"
+        )
 
 
 HEADER = (
@@ -251,14 +278,16 @@ def report(r: dict[str, Any]) -> str:
         f"{'t s':>5} {'phase':<5} {'offered/s':>9} {'done/s':>8} {'done/off':>8} "
         f"{'p50 ms':>8} {'p99 ms':>8} {'dead':>9} {'live':>9} {'heap MB':>8} "
         f"{'idx MB':>7} {'autovac':>7} {'arch av':>7} {'queued':>8} {'unstarted':>9} "
-        f"{'WAL MB':>7} {'FPIs':>7} {'ckpts':>5}"
+        f"{'WAL MB':>7} {'FPIs':>7} {'ckpts':>5} {'heap rd':>7} {'idx rd':>7} {'be wr':>6}"
     ]
     every = (r["buckets"][1]["start"] - r["buckets"][0]["start"]) if len(r["buckets"]) > 1 else 10
     before: dict[str, Any] = {}
     for b in r["buckets"]:
         ratio = b["completed"] / b["offered"] if b["offered"] else float("nan")
-        wal = b.get("wal_bytes", 0) - before.get("wal_bytes", b.get("wal_bytes", 0))
-        fpi = b.get("wal_fpi", 0) - before.get("wal_fpi", b.get("wal_fpi", 0))
+        wal, fpi, heap_rd, idx_rd, be_wr = (
+            b.get(k, 0) - before.get(k, b.get(k, 0))
+            for k in ("wal_bytes", "wal_fpi", "heap_read", "idx_read", "backend_writes")
+        )
         before = b
         lines.append(
             f"{b['start']:>5.0f} {b['phase']:<5} {b['offered'] / every:>9,.0f} "
@@ -267,7 +296,8 @@ def report(r: dict[str, Any]) -> str:
             f"{b.get('n_live_tup', 0):>9,} {base.mb(b.get('table_bytes', 0)):>8} "
             f"{base.mb(b.get('index_bytes', 0)):>7} {b.get('autovacuums', 0):>7} "
             f"{b.get('archive_autovacuums', 0):>7} {b.get('queued', 0):>8,} {b['unstarted']:>9,} "
-            f"{base.mb(wal):>7} {fpi:>7,} {b.get('checkpoints', 0):>5}"
+            f"{base.mb(wal):>7} {fpi:>7,} {b.get('checkpoints', 0):>5} {heap_rd:>7,} "
+            f"{idx_rd:>7,} {be_wr:>6,}"
         )
 
     def s(v: Any, unit: str = "") -> str:

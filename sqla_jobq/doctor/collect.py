@@ -76,6 +76,8 @@ SELECT coalesce(s.n_live_tup, 0) AS n_live_tup, coalesce(s.n_dead_tup, 0) AS n_d
        s.last_vacuum, s.last_autovacuum, s.last_analyze, s.last_autoanalyze,
        pg_relation_size(c.oid) AS table_bytes, pg_indexes_size(c.oid) AS index_bytes,
        pg_total_relation_size(c.oid) AS total_bytes,
+       pg_size_bytes(current_setting('shared_buffers')) AS shared_buffers_bytes,
+       current_setting('block_size')::int AS block_size,
        (SELECT option_value FROM pg_options_to_table(c.reloptions)
         WHERE option_name = 'autovacuum_enabled') AS autovacuum_table
 FROM pg_class c LEFT JOIN pg_stat_user_tables s ON s.relid = c.oid

@@ -89,16 +89,38 @@ def _vacuum_advice(names: Names, held_back: bool, autovacuum: bool) -> str:
     )
 
 
-def size_finding(facts: Facts) -> Finding:
+# Below this size a mostly empty table costs nothing worth a rewrite.
+SPARSE_MIN_BYTES = 16 * 1024 * 1024
+
+
+def size_finding(facts: Facts, names: Names) -> Finding:
+    """Sizes, and a warning when the table is mostly empty pages that no longer fit
+    in shared_buffers.
+
+    A healthy queue table is small: a few pages of ready and running rows. A
+    held snapshot (or a backlog worked off) leaves it large and nearly empty,
+    and VACUUM only marks that space free: the free space map then hands new
+    rows pages all over the file, so once the table and its indexes outgrow
+    shared_buffers, claims and completions read pages PostgreSQL's cache no
+    longer holds. In the held-snapshot scene (docs/benchmarks.md) pickup
+    latency took 160 to 170 s to recover with the default 128 MB of buffers
+    and 10 s with 1 GB. Only a rewrite gives the space back.
+    """
     row = facts.table
+    table_bytes, index_bytes = int(row["table_bytes"]), int(row["index_bytes"])
+    live, pages = int(row["n_live_tup"]), table_bytes // int(row["block_size"])
+    buffers = int(row["shared_buffers_bytes"])
     summary = (
-        f"table {byte_size(row['table_bytes'])}, indexes {byte_size(row['index_bytes'])}, "
+        f"table {byte_size(table_bytes)}, indexes {byte_size(index_bytes)}, "
         f"total with TOAST {byte_size(row['total_bytes'])}"
     )
     data: dict[str, Any] = {
-        "table_bytes": row["table_bytes"],
-        "index_bytes": row["index_bytes"],
+        "table_bytes": table_bytes,
+        "index_bytes": index_bytes,
         "total_bytes": row["total_bytes"],
+        "shared_buffers_bytes": buffers,
+        "pages": pages,
+        "live_rows_per_page": round(live / pages, 2) if pages else None,
         "archive_bytes": None,
         "archive_rows_estimate": None,
     }
@@ -109,7 +131,28 @@ def size_finding(facts: Facts) -> Finding:
         summary += f"; archive {byte_size(archive['total_bytes'])}, {counted}"
         data["archive_bytes"] = archive["total_bytes"]
         data["archive_rows_estimate"] = rows if rows >= 0 else None
+    has_counts = any(row[k] is not None for k in _VACUUM_TIMES)  # else n_live_tup means little
+    sparse = has_counts and table_bytes >= SPARSE_MIN_BYTES and live < pages
+    if sparse and table_bytes + index_bytes > buffers:
+        summary += (
+            f"; mostly empty ({live:,} live rows in {pages:,} pages) and, with its "
+            f"indexes, larger than shared_buffers ({byte_size(buffers)}): claims and "
+            "completions read pages from outside PostgreSQL's cache"
+        )
+        advice = _rewrite_advice(names, table_bytes + index_bytes)
+        return warn("table_size", "table", summary, advice, data)
     return ok("table_size", "table", summary, data)
+
+
+def _rewrite_advice(names: Names, size: int) -> str:
+    return (
+        "VACUUM leaves a table this size; at a quiet time, once nothing holds the horizon, "
+        f"rewrite it: SET lock_timeout = '5s'; VACUUM (FULL, VERBOSE) {names.qualified} "
+        "(workers wait while it copies the live rows; the lock timeout keeps it from "
+        f"queueing behind a long reader with every claim queued behind it), or pg_repack "
+        f"--table {names.qualified} online; or raise shared_buffers above "
+        f"{byte_size(size)}"
+    )
 
 
 # What goes wrong without each index, by the name `Names` gives it.

@@ -34,7 +34,7 @@ from sqla_jobq.db import conninfo, sqlalchemy_url
 from sqla_jobq.doctor import Finding, Report, Thresholds, diagnose, read_only, render_text
 from sqla_jobq.schema import QUEUE_TABLE_SETTINGS, Names, jobs_table, names_of
 from sqla_jobq.statements import NewJob
-from tests.support.cluster import Cluster, server_installed, throwaway_cluster
+from tests.support.cluster import FAST_SETTINGS, Cluster, server_installed, throwaway_cluster
 from tests.support.queues import create_queue_table
 
 TABLE_CHECKS = {
@@ -585,3 +585,56 @@ def test_doctor_cli_user_errors_exit_2_with_one_line(database_url: str) -> None:
         assert len(done.stderr.strip().splitlines()) == 1
         assert done.stderr.startswith("jobq: error: ")
     assert "jobq migrate" in missing.stderr
+
+
+# --- a table a hold left: mostly empty, larger than shared_buffers --------------------------
+
+SMALL_BUFFERS = (*FAST_SETTINGS, "shared_buffers=1MB")
+
+
+@pytest.fixture(scope="module")
+def small_buffers_server() -> Iterator[Cluster]:
+    """A cluster with 1 MB of shared_buffers, so a table of a few MB outgrows them."""
+    if not server_installed():
+        pytest.skip("PostgreSQL 15 server binaries are not installed")
+    with throwaway_cluster(SMALL_BUFFERS) as node:
+        yield node
+
+
+def test_doctor_warns_of_a_mostly_empty_table_outgrowing_shared_buffers_until_rewritten(
+    small_buffers_server: Cluster,
+) -> None:
+    """What a held snapshot leaves: VACUUM frees the space but keeps the pages
+    (one live row every 5,000 jobs keeps it from truncating the end), so the
+    table stays large; the doctor's advice, a rewrite, gives them back."""
+    url = small_buffers_server.url
+    names = Names("jobs", None)
+    create_queue_table(url, names)
+    table = jobs_table(MetaData(), names.table)
+    with psycopg.connect(conninfo(url), autocommit=True) as conn:
+        conn.execute(
+            b"INSERT INTO jobs (task, payload) "
+            b"SELECT 'noop', jsonb_build_object('n', g) FROM generate_series(1, 150000) g"
+        )
+        conn.execute(b"DELETE FROM jobs WHERE id % 5000 <> 0")
+        conn.execute(b"SELECT pg_stat_force_next_flush()")  # counted before VACUUM's own
+        conn.execute(b"VACUUM (ANALYZE) jobs")
+    status, shown = doctor_json(url, table)
+    (size,) = [f for f in shown["findings"] if f["check"] == "table_size"]
+    assert status == 1 and size["level"] == "warn", size
+    assert size["data"]["shared_buffers_bytes"] == 1024 * 1024
+    assert size["data"]["table_bytes"] >= 16 * 1024 * 1024
+    assert size["data"]["live_rows_per_page"] < 0.05
+    assert re.search(r"mostly empty \(30 live rows in [\d,]+ pages\)", size["summary"])
+    assert "larger than shared_buffers (1.0 MB)" in size["summary"]
+    rewrite = "SET lock_timeout = '5s'; VACUUM (FULL, VERBOSE) \"jobs\""
+    assert rewrite in size["advice"]
+
+    with psycopg.connect(conninfo(url), autocommit=True) as conn:
+        for statement in rewrite.split("; "):
+            conn.execute(statement.encode())
+        assert conn.execute(b"SELECT count(*) FROM jobs").fetchone() == (30,)
+    status, shown = doctor_json(url, table)
+    (size,) = [f for f in shown["findings"] if f["check"] == "table_size"]
+    assert size["level"] == "ok" and status == 0, shown
+    assert size["data"]["table_bytes"] < 64 * 1024
