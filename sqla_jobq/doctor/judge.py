@@ -56,7 +56,7 @@ def judge(facts: Facts, names: Names, t: Thresholds) -> list[Finding]:
         dead_tuple_finding(facts, names, t, held_back),
         autovacuum_finding(facts, names),
         statistics_finding(facts, names),
-        size_finding(facts, names),
+        size_finding(facts, names, t),
         *index_findings(facts.indexes, names),
         *queue_findings(facts.queues, names, t, paused),
         *settings_findings(facts.settings, facts.checked_at),

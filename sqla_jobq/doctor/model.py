@@ -39,6 +39,9 @@ SLOT_XID_AGE = 1_000_000
 # rows are winning the race and every claim scans more of them.
 DEAD_RATIO = 0.20
 DEAD_TUPLES = 10_000
+# A table this large with fewer live rows than pages is what a held snapshot
+# or a worked-off backlog leaves; below it a rewrite gains nothing worth its lock.
+SPARSE_TABLE_BYTES = 16 * 1024 * 1024
 # A ready job waiting five minutes means no worker serves its queue, or too few.
 OLDEST_READY_SECONDS = 300.0
 # Reapers run every few seconds; a job still `running` a minute past its lease
@@ -87,6 +90,7 @@ class Thresholds:
     slot_xid_age: int = SLOT_XID_AGE
     dead_ratio: float = DEAD_RATIO
     dead_tuples: int = DEAD_TUPLES
+    sparse_table_bytes: int = SPARSE_TABLE_BYTES
     oldest_ready_seconds: float = OLDEST_READY_SECONDS
     expired_lease_grace_seconds: float = EXPIRED_LEASE_GRACE_SECONDS
     lease_used_ratio: float = LEASE_USED_RATIO

@@ -89,11 +89,7 @@ def _vacuum_advice(names: Names, held_back: bool, autovacuum: bool) -> str:
     )
 
 
-# Below this size a mostly empty table costs nothing worth a rewrite.
-SPARSE_MIN_BYTES = 16 * 1024 * 1024
-
-
-def size_finding(facts: Facts, names: Names) -> Finding:
+def size_finding(facts: Facts, names: Names, t: Thresholds) -> Finding:
     """Sizes, and a warning when the table is mostly empty pages that no longer fit
     in shared_buffers.
 
@@ -135,7 +131,7 @@ def size_finding(facts: Facts, names: Names) -> Finding:
         data["archive_bytes"] = archive["total_bytes"]
         data["archive_rows_estimate"] = rows if rows >= 0 else None
     has_counts = any(row[k] is not None for k in _VACUUM_TIMES)  # else n_live_tup means little
-    sparse = has_counts and table_bytes >= SPARSE_MIN_BYTES and live < pages
+    sparse = has_counts and table_bytes >= t.sparse_table_bytes and live < pages
     if sparse and table_bytes + index_bytes > buffers:
         summary += (
             f"; mostly empty ({live:,} live rows in {pages:,} pages) and, with its "
