@@ -244,9 +244,7 @@ class Sample:
     wal_fpi: int = 0  # full-page images in it: a page's first change after a checkpoint
     checkpoints: int = 0  # checkpoints started so far, timed and requested
     heap_read: int = 0  # jobs heap blocks not found in shared_buffers (read from the OS)
-    heap_hit: int = 0  # jobs heap blocks found in shared_buffers
     idx_read: int = 0  # the same for all of the jobs table's indexes
-    idx_hit: int = 0
     backend_writes: int = 0  # dirty buffers a backend had to write out itself to reuse
 
 
@@ -257,8 +255,10 @@ def sample(conn: psycopg.Connection[Any], t: float) -> Sample:
                pg_total_relation_size(j.relid), j.autovacuum_count, j.autoanalyze_count,
                (SELECT count(*) FROM jobs WHERE status = 'queued'),
                coalesce(pg_total_relation_size(to_regclass('jobs_archive')), 0),
-               coalesce(a.n_tup_ins, 0), coalesce(a.autovacuum_count, 0)
+               coalesce(a.n_tup_ins, 0), coalesce(a.autovacuum_count, 0),
+               coalesce(io.heap_blks_read, 0), coalesce(io.idx_blks_read, 0)
         FROM pg_stat_user_tables j
+        JOIN pg_statio_user_tables io ON io.relid = j.relid
         LEFT JOIN pg_stat_user_tables a ON a.relname = 'jobs_archive'
         WHERE j.relname = 'jobs'
         """
@@ -271,16 +271,15 @@ def sample(conn: psycopg.Connection[Any], t: float) -> Sample:
         ).fetchall()
     )
     live, dead, heap, idx, total, vac, an, queued, archive, archived, archive_vac = (
-        int(v) for v in row
+        int(v) for v in row[:11]
     )
+    heap_read, idx_read = (int(v) for v in row[11:])
     wal = conn.execute(
         "SELECT w.wal_bytes, w.wal_fpi, b.checkpoints_timed + b.checkpoints_req, "
-        "coalesce(s.heap_blks_read, 0), coalesce(s.heap_blks_hit, 0), "
-        "coalesce(s.idx_blks_read, 0), coalesce(s.idx_blks_hit, 0), b.buffers_backend "
-        "FROM pg_stat_wal w, pg_stat_bgwriter b "
-        "LEFT JOIN pg_statio_user_tables s ON s.relname = 'jobs'"
+        "b.buffers_backend FROM pg_stat_wal w, pg_stat_bgwriter b"
     ).fetchone()
     assert wal is not None
+    wal_bytes, wal_fpi, checkpoints, backend_writes = (int(v) for v in wal)
     return Sample(
         t,
         live,
@@ -295,7 +294,12 @@ def sample(conn: psycopg.Connection[Any], t: float) -> Sample:
         archive,
         archived,
         archive_vac,
-        *(int(v) for v in wal),
+        wal_bytes,
+        wal_fpi,
+        checkpoints,
+        heap_read,
+        idx_read,
+        backend_writes,
     )
 
 
