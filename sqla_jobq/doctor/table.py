@@ -130,9 +130,7 @@ def size_finding(facts: Facts, names: Names, t: Thresholds) -> Finding:
         summary += f"; archive {byte_size(archive['total_bytes'])}, {counted}"
         data["archive_bytes"] = archive["total_bytes"]
         data["archive_rows_estimate"] = rows if rows >= 0 else None
-    has_counts = any(row[k] is not None for k in _VACUUM_TIMES)  # else n_live_tup means little
-    sparse = has_counts and table_bytes >= t.sparse_table_bytes and live < pages
-    if sparse and table_bytes + index_bytes > buffers:
+    if _sparse(row, table_bytes, live, pages, t) and table_bytes + index_bytes > buffers:
         summary += (
             f"; mostly empty ({live:,} live rows in {pages:,} pages) and, with its "
             f"indexes, larger than shared_buffers ({byte_size(buffers)}): every VACUUM "
@@ -141,6 +139,14 @@ def size_finding(facts: Facts, names: Names, t: Thresholds) -> Finding:
         advice = _rewrite_advice(names, table_bytes + index_bytes)
         return warn("table_size", "table", summary, advice, data)
     return ok("table_size", "table", summary, data)
+
+
+def _sparse(row: Row, table_bytes: int, live: int, pages: int, t: Thresholds) -> bool:
+    """Large, with fewer live rows than pages. Until a vacuum or analyze has
+    run, n_live_tup is only a tally of inserts and deletes since the statistics
+    were last reset (zero after a crash), too weak to warn on."""
+    counted = any(row[k] is not None for k in _VACUUM_TIMES)
+    return counted and table_bytes >= t.sparse_table_bytes and live < pages
 
 
 def _rewrite_advice(names: Names, size: int) -> str:
