@@ -94,6 +94,23 @@ FROM pg_settings s LEFT JOIN pg_class c ON c.oid = to_regclass(:qualified)
 WHERE s.name = ANY(CAST(:names AS text[]))
 """
 
+# The current checkpoint interval: its start, the WAL since its redo point, and
+# the settings that decide when the next one comes (see `checkpoints`).
+_CHECKPOINT = """
+SELECT extract(epoch FROM now() - c.checkpoint_time)::float8 AS seconds,
+       pg_wal_lsn_diff(pg_current_wal_lsn(), c.redo_lsn)::bigint AS wal_bytes,
+       pg_size_bytes(current_setting('max_wal_size')) AS max_wal_size_bytes,
+       current_setting('checkpoint_completion_target')::float8 AS completion_target,
+       (SELECT setting::float8 FROM pg_settings WHERE name = 'checkpoint_timeout')
+         AS checkpoint_timeout_seconds
+FROM pg_control_checkpoint() c
+"""
+
+_CHECKPOINT_COUNTS = {
+    16: "SELECT checkpoints_req AS requested, checkpoints_timed AS timed FROM pg_stat_bgwriter",
+    17: "SELECT num_requested AS requested, num_timed AS timed FROM pg_stat_checkpointer",
+}
+
 _ARCHIVE = """
 SELECT pg_total_relation_size(c.oid) AS total_bytes, c.reltuples::bigint AS rows_estimate
 FROM pg_class c WHERE c.oid = to_regclass(:qualified)
@@ -184,7 +201,28 @@ def collect(conn: Connection, names: Names, thresholds: Thresholds) -> Facts:
         indexes=_rows(conn, _INDEXES, qualified),
         queues=_rows(conn, _queues_sql(names), _queue_params(thresholds)),
         settings=_settings(conn, names, version),
+        checkpoints=_checkpoints(conn),
     )
+
+
+def _checkpoints(conn: Connection) -> Row:
+    """The current checkpoint interval, or why it cannot be read here: a standby
+    writes no WAL of its own, and a managed server may keep pg_control_checkpoint
+    from this role (its privilege is checked first: a failed call would end the
+    doctor's one transaction)."""
+    standby, allowed, version = conn.execute(
+        text(
+            "SELECT pg_is_in_recovery(), "
+            "has_function_privilege('pg_control_checkpoint()', 'EXECUTE'), "
+            "current_setting('server_version_num')::int"
+        )
+    ).one()
+    if standby:
+        return {"unreadable": "a standby (its checkpoints follow its primary's WAL)"}
+    if not allowed:
+        return {"unreadable": "this role may not call pg_control_checkpoint()"}
+    counts = _CHECKPOINT_COUNTS[17 if version >= 170000 else 16]
+    return {**_rows(conn, _CHECKPOINT)[0], **_rows(conn, counts)[0]}
 
 
 def _settings(conn: Connection, names: Names, version: int) -> list[Row]:

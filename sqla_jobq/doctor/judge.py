@@ -1,5 +1,6 @@
 """Turn `Facts` into `Finding`s, no I/O: the schema and what this role can
-see here, then the xmin horizon (`horizon`), the table (`table`,
+see here, then the xmin horizon (`horizon`), the server's checkpoints
+(`checkpoints`), the table (`table`,
 `autovacuum`) and its queues (`queues`), in the order the report reads top
 down."""
 
@@ -10,6 +11,7 @@ from collections.abc import Iterable
 from ..migrations.check import LATEST
 from ..schema import Names
 from .autovacuum import autovacuum_finding
+from .checkpoints import checkpoint_finding
 from .horizon import (
     horizon_age,
     horizon_finding,
@@ -53,6 +55,7 @@ def judge(facts: Facts, names: Names, t: Thresholds) -> list[Finding]:
         ),
         *_or_ok(prepared, "prepared_transaction", "no orphaned prepared transaction"),
         *_or_ok(slots, "replication_slot", "no replication slot holds the horizon back"),
+        checkpoint_finding(facts, t),
         dead_tuple_finding(facts, names, t, held_back),
         autovacuum_finding(facts, names),
         statistics_finding(facts, names),

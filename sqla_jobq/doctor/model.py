@@ -42,6 +42,9 @@ DEAD_TUPLES = 10_000
 # A table this large with fewer live rows than pages is what a held snapshot
 # or a worked-off backlog leaves; below it a rewrite gains nothing worth its lock.
 SPARSE_TABLE_BYTES = 16 * 1024 * 1024
+# The WAL rate is measured over the current checkpoint interval; one younger
+# than this says too little (a single bulk enqueue would read as a rate).
+CHECKPOINT_WINDOW_SECONDS = 10.0
 # A ready job waiting five minutes means no worker serves its queue, or too few.
 OLDEST_READY_SECONDS = 300.0
 # Reapers run every few seconds; a job still `running` a minute past its lease
@@ -61,6 +64,7 @@ CHECKS = (
     "long_transaction",
     "prepared_transaction",
     "replication_slot",
+    "checkpoints",
     "dead_tuples",
     "autovacuum",
     "statistics",
@@ -91,6 +95,7 @@ class Thresholds:
     dead_ratio: float = DEAD_RATIO
     dead_tuples: int = DEAD_TUPLES
     sparse_table_bytes: int = SPARSE_TABLE_BYTES
+    checkpoint_window_seconds: float = CHECKPOINT_WINDOW_SECONDS
     oldest_ready_seconds: float = OLDEST_READY_SECONDS
     expired_lease_grace_seconds: float = EXPIRED_LEASE_GRACE_SECONDS
     lease_used_ratio: float = LEASE_USED_RATIO
@@ -139,6 +144,8 @@ class Facts:
     indexes: list[Row]
     queues: list[Row]
     settings: list[Row] = field(default_factory=list)  # paused or limited queues
+    # The current checkpoint interval (`checkpoints`), or {"unreadable": why}.
+    checkpoints: Row = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
