@@ -246,6 +246,11 @@ class Sample:
     heap_read: int = 0  # jobs heap blocks not found in shared_buffers (read from the OS)
     idx_read: int = 0  # the same for all of the jobs table's indexes
     backend_writes: int = 0  # dirty buffers a backend had to write out itself to reuse
+    # Clock ticks of all the machine's cores since boot (/proc/stat): busy, taken
+    # by the hypervisor (steal), and all; whether a slow bucket had the cores to itself.
+    cpu_busy: int = 0
+    cpu_steal: int = 0
+    cpu_all: int = 0
 
 
 def sample(conn: psycopg.Connection[Any], t: float) -> Sample:
@@ -300,7 +305,29 @@ def sample(conn: psycopg.Connection[Any], t: float) -> Sample:
         heap_read,
         idx_read,
         backend_writes,
+        *machine_ticks(),
     )
+
+
+def machine_ticks() -> tuple[int, int, int]:
+    """(busy, steal, all) ticks of every core since boot, from /proc/stat's first line."""
+    with open("/proc/stat") as stat:
+        fields = [int(v) for v in stat.readline().split()[1:9]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+    return user + nice + system + irq + softirq, steal, sum(fields)
+
+
+def machine_use(before: dict[str, Any], after: dict[str, Any]) -> tuple[float, float]:
+    """Between two samples (as dicts): the machine's busy cores, and the share
+    of its time the hypervisor took (steal)."""
+    if "cpu_all" not in before or "cpu_all" not in after:
+        return float("nan"), float("nan")  # the first bucket, or a missing sample
+    ticks = after["cpu_all"] - before["cpu_all"]
+    if ticks <= 0:
+        return float("nan"), float("nan")
+    busy = after["cpu_busy"] - before["cpu_busy"]
+    steal = after["cpu_steal"] - before["cpu_steal"]
+    return (os.cpu_count() or 1) * busy / ticks, steal / ticks
 
 
 class Sampler(threading.Thread):

@@ -31,6 +31,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
+from itertools import pairwise
 from typing import Any
 
 import psycopg
@@ -278,7 +279,8 @@ def report(r: dict[str, Any]) -> str:
         f"{'t s':>5} {'phase':<5} {'offered/s':>9} {'done/s':>8} {'done/off':>8} "
         f"{'p50 ms':>8} {'p99 ms':>8} {'dead':>9} {'live':>9} {'heap MB':>8} "
         f"{'idx MB':>7} {'autovac':>7} {'arch av':>7} {'queued':>8} {'unstarted':>9} "
-        f"{'WAL MB':>7} {'FPIs':>7} {'ckpts':>5} {'heap rd':>7} {'idx rd':>7} {'be wr':>6}"
+        f"{'WAL MB':>7} {'FPIs':>7} {'ckpts':>5} {'heap rd':>7} {'idx rd':>7} {'be wr':>6} "
+        f"{'cores':>5} {'steal':>6}"
     ]
     every = (r["buckets"][1]["start"] - r["buckets"][0]["start"]) if len(r["buckets"]) > 1 else 10
     before: dict[str, Any] = {}
@@ -288,6 +290,7 @@ def report(r: dict[str, Any]) -> str:
             b.get(k, 0) - before.get(k, b.get(k, 0))
             for k in ("wal_bytes", "wal_fpi", "heap_read", "idx_read", "backend_writes")
         )
+        cores, steal = base.machine_use(before, b)
         before = b
         lines.append(
             f"{b['start']:>5.0f} {b['phase']:<5} {b['offered'] / every:>9,.0f} "
@@ -297,7 +300,7 @@ def report(r: dict[str, Any]) -> str:
             f"{base.mb(b.get('index_bytes', 0)):>7} {b.get('autovacuums', 0):>7} "
             f"{b.get('archive_autovacuums', 0):>7} {b.get('queued', 0):>8,} {b['unstarted']:>9,} "
             f"{base.mb(wal):>7} {fpi:>7,} {b.get('checkpoints', 0):>5} {heap_rd:>7,} "
-            f"{idx_rd:>7,} {be_wr:>6,}"
+            f"{idx_rd:>7,} {be_wr:>6,} {cores:>5.2f} {steal:>6.1%}"
         )
 
     def s(v: Any, unit: str = "") -> str:
@@ -356,15 +359,16 @@ def _late_buckets(r: dict[str, Any]) -> list[str]:
     busiest server roles."""
     bound = 1.5 * r["clean_pickup_p99_ms"]
     lines = []
-    for b in r["buckets"]:
+    for before, b in pairwise(r["buckets"]):
         w = b.get("watch")
         if b["phase"] != "after" or b["pickup_p99_ms"] <= bound or not w:
             continue
         vacuums = ", ".join(f"{k} {v:.0%}" for k, v in w["vacuums"].items()) or "no VACUUM"
         roles = ", ".join(f"{k} {v:.2f}" for k, v in list(w["server_cores"].items())[:4])
+        cores, steal = base.machine_use(before, b)
         lines.append(
             f"over the bound at {b['start']:.0f} s ({b['pickup_p99_ms']:.1f} ms > {bound:.1f}):"
-            f" {vacuums}; server cores: {roles}"
+            f" {vacuums}; server cores: {roles}; machine {cores:.2f} cores busy, steal {steal:.1%}"
         )
     return lines
 
