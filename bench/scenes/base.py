@@ -317,17 +317,23 @@ def machine_ticks() -> tuple[int, int, int]:
     return user + nice + system + irq + softirq, steal, sum(fields)
 
 
-def machine_use(before: dict[str, Any], after: dict[str, Any]) -> tuple[float, float]:
-    """Between two samples (as dicts): the machine's busy cores, and the share
-    of its time the hypervisor took (steal)."""
-    if "cpu_all" not in before or "cpu_all" not in after:
+Ticks = tuple[int, int, int]  # busy, steal, all: see `machine_ticks`
+
+
+def machine_use(before: Ticks | None, after: Ticks | None) -> tuple[float, float]:
+    """Between two readings of `machine_ticks`: the machine's busy cores, and
+    the share of its time the hypervisor took (steal)."""
+    if before is None or after is None or after[2] <= before[2]:
         return float("nan"), float("nan")  # the first bucket, or a missing sample
-    ticks = after["cpu_all"] - before["cpu_all"]
-    if ticks <= 0:
-        return float("nan"), float("nan")
-    busy = after["cpu_busy"] - before["cpu_busy"]
-    steal = after["cpu_steal"] - before["cpu_steal"]
-    return (os.cpu_count() or 1) * busy / ticks, steal / ticks
+    ticks = after[2] - before[2]
+    return (os.cpu_count() or 1) * (after[0] - before[0]) / ticks, (after[1] - before[1]) / ticks
+
+
+def sample_ticks(row: dict[str, Any]) -> Ticks | None:
+    """A sample's (as a dict) machine ticks, if it has them."""
+    if "cpu_all" not in row:
+        return None
+    return row["cpu_busy"], row["cpu_steal"], row["cpu_all"]
 
 
 class Sampler(threading.Thread):
@@ -449,6 +455,7 @@ class Glimpse:
     server: dict[int, tuple[str, float]] = field(default_factory=dict)
     # Each VACUUM in progress (pg_stat_progress_vacuum): "table: phase (who)".
     vacuums: list[str] = field(default_factory=list)
+    machine: Ticks = (0, 0, 0)  # `machine_ticks()` at this glimpse
 
 
 class Watch(threading.Thread):
@@ -490,7 +497,7 @@ class Watch(threading.Thread):
                 ]
                 t = time.monotonic() - self.t0
                 cpu = sum(common.proc_cpu(pid) or 0.0 for pid in self.pids)
-                self.glimpses.append(Glimpse(t, cpu, waits, server, vacuums))
+                self.glimpses.append(Glimpse(t, cpu, waits, server, vacuums, machine_ticks()))
 
 
 VACUUM_PROGRESS = (
@@ -570,6 +577,18 @@ def watch_summary(glimpses: Sequence[Glimpse], start: float, end: float) -> dict
         "server_cores": server_cores(inside),
         "vacuums": vacuum_shares(inside),
     }
+
+
+def machine_between(glimpses: Sequence[Glimpse], start: float, end: float) -> dict[str, float]:
+    """The machine's busy cores and steal share from the last glimpse at or
+    before `start` to the first at or after `end`: whether a slow second had
+    the cores to itself."""
+    before = [g for g in glimpses if g.t <= start]
+    after = [g for g in glimpses if g.t >= end]
+    cores, steal = machine_use(
+        before[-1].machine if before else None, after[0].machine if after else None
+    )
+    return {"machine_cores": cores, "steal": steal}
 
 
 def vacuum_shares(glimpses: Sequence[Glimpse]) -> dict[str, float]:

@@ -146,7 +146,10 @@ def run(
     }
     for b in result["buckets"]:
         b["watch"] = base.watch_summary(watch.glimpses, b["start"], b["start"] + every)
-    result["per_second"] = [asdict(s) for s in seconds]
+    result["per_second"] = [
+        {**asdict(s), **base.machine_between(watch.glimpses, s.start, s.start + 1)}
+        for s in seconds
+    ]
     return result
 
 
@@ -290,7 +293,7 @@ def report(r: dict[str, Any]) -> str:
             b.get(k, 0) - before.get(k, b.get(k, 0))
             for k in ("wal_bytes", "wal_fpi", "heap_read", "idx_read", "backend_writes")
         )
-        cores, steal = base.machine_use(before, b)
+        cores, steal = base.machine_use(base.sample_ticks(before), base.sample_ticks(b))
         before = b
         lines.append(
             f"{b['start']:>5.0f} {b['phase']:<5} {b['offered'] / every:>9,.0f} "
@@ -338,7 +341,7 @@ def _watch_lines(r: dict[str, Any]) -> list[str]:
             f"sessions: {waits or 'none seen'}"
         )
         lines.append("  " + _server_line(w.get("server_cores", {}), _done_per_s(r, phase)))
-    lines += _archive_overlap(r)
+    lines += _slow_seconds(r)
     lines += _late_buckets(r)
     worst = sorted(r.get("per_second", []), key=lambda x: -x["pickup_p99_ms"])[:5]
     if worst:
@@ -365,7 +368,7 @@ def _late_buckets(r: dict[str, Any]) -> list[str]:
             continue
         vacuums = ", ".join(f"{k} {v:.0%}" for k, v in w["vacuums"].items()) or "no VACUUM"
         roles = ", ".join(f"{k} {v:.2f}" for k, v in list(w["server_cores"].items())[:4])
-        cores, steal = base.machine_use(before, b)
+        cores, steal = base.machine_use(base.sample_ticks(before), base.sample_ticks(b))
         lines.append(
             f"over the bound at {b['start']:.0f} s ({b['pickup_p99_ms']:.1f} ms > {bound:.1f}):"
             f" {vacuums}; server cores: {roles}; machine {cores:.2f} cores busy, steal {steal:.1%}"
@@ -388,18 +391,23 @@ def _server_line(cores: dict[str, float], done_per_s: float) -> str:
     return f"server {total:.2f} cores{per_job}: {roles or 'none seen'}"
 
 
-def _archive_overlap(r: dict[str, Any]) -> list[str]:
-    """Do the slow seconds follow the archiver's batches? The share of slow
-    seconds (pickup p99 over twice the clean bucket p99) in or just after a
-    second in which an archive batch began, against that share of all seconds."""
-    per = r.get("per_second", [])
+def _slow_seconds(r: dict[str, Any]) -> list[str]:
+    """Did the slow seconds (pickup p99 over twice the clean bucket p99) have
+    the machine to themselves? Its busy cores and the hypervisor's steal in
+    them, against all seconds'."""
+    per = [x for x in r.get("per_second", []) if not math.isnan(x.get("steal", math.nan))]
     if not per or math.isnan(r["clean_pickup_p99_ms"]):
         return []
-    moving = {int(x["start"]) for x in per if x["archived"]}
-    near = [int(x["start"]) in moving or int(x["start"]) - 1 in moving for x in per]
-    slow = [x["pickup_p99_ms"] > 2 * r["clean_pickup_p99_ms"] for x in per]
-    hits = sum(1 for n, sl in zip(near, slow, strict=True) if n and sl)
+    slow = [x for x in per if x["pickup_p99_ms"] > 2 * r["clean_pickup_p99_ms"]]
+
+    def machine(xs: list[dict[str, Any]]) -> str:
+        if not xs:
+            return "-"
+        cores = statistics.median(x["machine_cores"] for x in xs)
+        stolen = sum(1 for x in xs if x["steal"] > 0.01)
+        return f"median {cores:.2f} cores busy, {stolen} with steal over 1%"
+
     return [
-        f"slow seconds (p99 over 2x clean): {sum(slow)}, {hits} of them in or just after "
-        f"an archive batch's second ({sum(near) / len(per):.0%} of all seconds are)"
+        f"slow seconds (p99 over 2x clean): {len(slow)} of {len(per)}; "
+        f"in them: {machine(slow)}; in all seconds: {machine(per)}"
     ]
