@@ -175,7 +175,7 @@ class FaultQueue:
 
     def job(self, job_id: int) -> dict[str, Any]:
         with self.connect() as conn:
-            conn.row_factory = psycopg.rows.dict_row  # type: ignore[assignment]
+            conn.row_factory = psycopg.rows.dict_row
             row = conn.execute(
                 f"SELECT * FROM {self.qualified} WHERE id = %s".encode(), (job_id,)
             ).fetchone()
@@ -301,7 +301,8 @@ def backends(url: str, app_name: str) -> list[tuple[int, str, str]]:
 
 def terminate(url: str, pid: int) -> bool:
     with psycopg.connect(conninfo(url), autocommit=True) as conn:
-        return bool(conn.execute("SELECT pg_terminate_backend(%s)", (pid,)).fetchone()[0])
+        row = conn.execute("SELECT pg_terminate_backend(%s)", (pid,)).fetchone()
+    return bool(row and row[0])
 
 
 def drop_role(conn: psycopg.Connection[Any], role: str, *, owned: bool = False) -> None:
@@ -319,5 +320,5 @@ def drop_role(conn: psycopg.Connection[Any], role: str, *, owned: bool = False) 
         try:
             conn.execute(f"DROP ROLE IF EXISTS {name}".encode())
             return
-        except psycopg.errors.DependentObjectsStillInUse:
+        except psycopg.errors.DependentObjectsStillExist:
             time.sleep(0.1)
