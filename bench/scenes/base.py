@@ -309,15 +309,15 @@ def sample(conn: psycopg.Connection[Any], t: float) -> Sample:
     )
 
 
-def machine_ticks() -> tuple[int, int, int]:
+Ticks = tuple[int, int, int]  # busy, steal, all: see `machine_ticks`
+
+
+def machine_ticks() -> Ticks:
     """(busy, steal, all) ticks of every core since boot, from /proc/stat's first line."""
     with open("/proc/stat") as stat:
         fields = [int(v) for v in stat.readline().split()[1:9]]
     user, nice, system, _idle, _iowait, irq, softirq, steal = fields
     return user + nice + system + irq + softirq, steal, sum(fields)
-
-
-Ticks = tuple[int, int, int]  # busy, steal, all: see `machine_ticks`
 
 
 def machine_use(before: Ticks | None, after: Ticks | None) -> tuple[float, float]:
