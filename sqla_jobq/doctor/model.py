@@ -143,9 +143,9 @@ class Facts:
     archive: Row | None
     indexes: list[Row]
     queues: list[Row]
-    settings: list[Row] = field(default_factory=list)  # paused or limited queues
     # The current checkpoint interval (`checkpoints`), or {"unreadable": why}.
-    checkpoints: Row = field(default_factory=dict)
+    checkpoints: Row
+    settings: list[Row] = field(default_factory=list)  # paused or limited queues
 
 
 @dataclass(frozen=True)
