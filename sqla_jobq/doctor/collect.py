@@ -94,21 +94,24 @@ FROM pg_settings s LEFT JOIN pg_class c ON c.oid = to_regclass(:qualified)
 WHERE s.name = ANY(CAST(:names AS text[]))
 """
 
-# The current checkpoint interval: its start, the WAL since its redo point, and
-# the settings that decide when the next one comes (see `checkpoints`).
+# The current checkpoint interval: its start, the WAL since its redo point, the
+# settings that decide when the next one comes (see `checkpoints`), and the
+# cumulative counts, from the view that holds them in this server version.
 _CHECKPOINT = """
 SELECT extract(epoch FROM now() - c.checkpoint_time)::float8 AS seconds,
        pg_wal_lsn_diff(pg_current_wal_lsn(), c.redo_lsn)::bigint AS wal_bytes,
        pg_size_bytes(current_setting('max_wal_size')) AS max_wal_size_bytes,
        current_setting('checkpoint_completion_target')::float8 AS completion_target,
        (SELECT setting::float8 FROM pg_settings WHERE name = 'checkpoint_timeout')
-         AS checkpoint_timeout_seconds
-FROM pg_control_checkpoint() c
+         AS checkpoint_timeout_seconds,
+       k.{requested} AS requested, k.{timed} AS timed
+FROM pg_control_checkpoint() c, {view} k
 """
 
+# (view, requested, timed): PostgreSQL 17 moved the counts to a view of their own.
 _CHECKPOINT_COUNTS = {
-    16: "SELECT checkpoints_req AS requested, checkpoints_timed AS timed FROM pg_stat_bgwriter",
-    17: "SELECT num_requested AS requested, num_timed AS timed FROM pg_stat_checkpointer",
+    16: ("pg_stat_bgwriter", "checkpoints_req", "checkpoints_timed"),
+    17: ("pg_stat_checkpointer", "num_requested", "num_timed"),
 }
 
 _ARCHIVE = """
@@ -221,8 +224,8 @@ def _checkpoints(conn: Connection) -> Row:
         return {"unreadable": "a standby (its checkpoints follow its primary's WAL)"}
     if not allowed:
         return {"unreadable": "this role may not call pg_control_checkpoint()"}
-    counts = _CHECKPOINT_COUNTS[17 if version >= 170000 else 16]
-    return {**_rows(conn, _CHECKPOINT)[0], **_rows(conn, counts)[0]}
+    view, requested, timed = _CHECKPOINT_COUNTS[17 if version >= 170000 else 16]
+    return _rows(conn, _CHECKPOINT.format(view=view, requested=requested, timed=timed))[0]
 
 
 def _settings(conn: Connection, names: Names, version: int) -> list[Row]:
