@@ -44,6 +44,7 @@ from sqla_jobq.schema import QUEUE_TABLE_SETTINGS, Names, jobs_table, names_of
 from sqla_jobq.statements import NewJob
 from tests.support.cluster import FAST_SETTINGS, Cluster, server_installed, throwaway_cluster
 from tests.support.queues import create_queue_table
+from tests.support.waiting import wait_until
 
 TABLE_CHECKS = {
     "schema_version",
@@ -673,14 +674,12 @@ def small_wal_server() -> Iterator[Cluster]:
 
 def wait_for_setting(url: str, name: str, value: str) -> None:
     """A reload reaches new sessions once the postmaster has read the file."""
-    deadline = time.monotonic() + 10
-    while True:
+
+    def shown() -> bool:
         with psycopg.connect(conninfo(url), autocommit=True) as conn:
-            row = conn.execute(f"SHOW {name}".encode()).fetchone()
-        if row == (value,):
-            return
-        assert time.monotonic() < deadline, f"{name} is {row}, not {value}, after the reload"
-        time.sleep(0.05)
+            return conn.execute(f"SHOW {name}".encode()).fetchone() == (value,)
+
+    wait_until(shown, 10, f"{name} = {value} after the reload")
 
 
 def write_wal(url: str, jobs: int) -> int:
