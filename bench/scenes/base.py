@@ -225,6 +225,9 @@ class TopUpProducer(threading.Thread):
 # --- samples -----------------------------------------------------------------------
 
 
+Ticks = tuple[int, int, int]  # busy, steal, all: see `machine_ticks`
+
+
 @dataclass
 class Sample:
     t: float  # seconds since the scene's clock started
@@ -246,11 +249,8 @@ class Sample:
     heap_read: int = 0  # jobs heap blocks not found in shared_buffers (read from the OS)
     idx_read: int = 0  # the same for all of the jobs table's indexes
     backend_writes: int = 0  # dirty buffers a backend had to write out itself to reuse
-    # Clock ticks of all the machine's cores since boot (/proc/stat): busy, taken
-    # by the hypervisor (steal), and all; whether a slow bucket had the cores to itself.
-    cpu_busy: int = 0
-    cpu_steal: int = 0
-    cpu_all: int = 0
+    # `machine_ticks()` at this sample: whether a slow bucket had the cores to itself.
+    machine: Ticks | None = None
 
 
 def sample(conn: psycopg.Connection[Any], t: float) -> Sample:
@@ -305,11 +305,8 @@ def sample(conn: psycopg.Connection[Any], t: float) -> Sample:
         heap_read,
         idx_read,
         backend_writes,
-        *machine_ticks(),
+        machine_ticks(),
     )
-
-
-Ticks = tuple[int, int, int]  # busy, steal, all: see `machine_ticks`
 
 
 def machine_ticks() -> Ticks:
@@ -330,10 +327,9 @@ def machine_use(before: Ticks | None, after: Ticks | None) -> tuple[float, float
 
 
 def sample_ticks(row: dict[str, Any]) -> Ticks | None:
-    """A sample's (as a dict) machine ticks, if it has them."""
-    if "cpu_all" not in row:
-        return None
-    return row["cpu_busy"], row["cpu_steal"], row["cpu_all"]
+    """A sample's (as a dict, where JSON made the tuple a list) machine ticks."""
+    ticks = row.get("machine")
+    return None if ticks is None else (ticks[0], ticks[1], ticks[2])
 
 
 class Sampler(threading.Thread):
@@ -455,7 +451,7 @@ class Glimpse:
     server: dict[int, tuple[str, float]] = field(default_factory=dict)
     # Each VACUUM in progress (pg_stat_progress_vacuum): "table: phase (who)".
     vacuums: list[str] = field(default_factory=list)
-    machine: Ticks = (0, 0, 0)  # `machine_ticks()` at this glimpse
+    machine: Ticks | None = None  # `machine_ticks()` at this glimpse
 
 
 class Watch(threading.Thread):
