@@ -29,6 +29,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from sqla_jobq import JobCancelled, JobFailed, wait_for_async
+from sqla_jobq.statements import job_outcome
 from sqla_jobq.worker import Worker, WorkerOptions
 
 from .models import jobs, metadata, orders
@@ -103,20 +104,17 @@ def _routes(app: FastAPI, engine: AsyncEngine) -> None:
 
 
 async def _order(engine: AsyncEngine, order_id: int) -> dict[str, Any]:
-    receipt = jobs.c.status, jobs.c.result, jobs.c.last_error
-    query = (
-        select(orders, *receipt)
-        .outerjoin(jobs, jobs.c.id == orders.c.receipt_job_id)  # a pruned job reads as None
-        .where(orders.c.id == order_id)
-    )
+    """The order and its receipt job's outcome, which `job_outcome` finds in the
+    jobs table or, once a worker has moved it there, in the archive (a pruned
+    job reads as None)."""
     async with engine.connect() as conn:
-        row = (await conn.execute(query)).mappings().first()
-    if row is None:
-        raise HTTPException(404, f"no order {order_id}")
-    order = {c.name: row[c.name] for c in orders.c}
-    status, result, error = row["status"], row["result"], row["last_error"]
-    order["receipt"] = {"status": status, "result": result, "error": error}
-    return order
+        found = (await conn.execute(select(orders).where(orders.c.id == order_id))).mappings()
+        order = found.first()
+        if order is None:
+            raise HTTPException(404, f"no order {order_id}")
+        outcome = (await conn.execute(job_outcome(jobs, order["receipt_job_id"]))).first()
+    status, result, error = outcome if outcome is not None else (None, None, None)
+    return {**order, "receipt": {"status": status, "result": result, "error": error}}
 
 
 def from_env() -> FastAPI:

@@ -23,6 +23,7 @@ from examples.fastapi_app.app import create_app
 from examples.fastapi_app.models import jobs
 from sqla_jobq.db import conninfo, parse_url
 from sqla_jobq.migrations.runner import migrate_to_latest
+from tests.support.waiting import wait_until_async
 
 pytestmark = pytest.mark.anyio
 
@@ -79,6 +80,26 @@ async def test_an_order_gets_its_receipt_from_the_lifespan_worker_and_shows_its_
         "result": {"to": "ada@example.com", "text": "Order A-1001: 42.50 EUR. Thank you!"},
         "error": None,
     }
+
+
+async def test_an_order_shows_its_receipt_after_the_worker_moved_the_job_to_the_archive(
+    shop_url: str,
+) -> None:
+    """Nobody waits, so the worker's completion moves the job to the archive
+    (archiving at completion, the default): the order still shows its receipt."""
+    async with serving(create_app(shop_url)) as http:
+        created = await http.post("/orders", json=ORDER)
+        job_id = created.json()["receipt_job_id"]
+        await wait_until_async(lambda: archived(shop_url, job_id), 30, "the receipt job archived")
+        shown = (await http.get(f"/orders/{created.json()['id']}")).json()
+    assert shown["receipt"]["status"] == "done"
+    assert shown["receipt"]["result"]["to"] == "ada@example.com"
+
+
+def archived(url: str, job_id: int) -> bool:
+    with psycopg.connect(conninfo(url)) as conn:
+        row = conn.execute("SELECT 1 FROM jobs_archive WHERE id = %s", (job_id,)).fetchone()
+    return row is not None
 
 
 async def test_a_refused_order_rolls_back_its_receipt_job_with_it(shop_url: str) -> None:
