@@ -557,6 +557,15 @@ def worker(
             "this many dead tuples; needs the table's owner; 0: leave it to autovacuum.",
         ),
     ] = 20_000,
+    reindex_sparse_mb: Annotated[
+        int,
+        typer.Option(
+            envvar="JOBQ_REINDEX_SPARSE_MB",
+            help="After that VACUUM, rebuild (REINDEX INDEX CONCURRENTLY) a queue-table "
+            "index of at least this many MB that holds fewer than 10 entries a page, as a "
+            "snapshot held elsewhere leaves them; 0: never.",
+        ),
+    ] = 8,
     archive_after: Annotated[
         str,
         typer.Option(
@@ -608,6 +617,8 @@ def worker(
     if not isinstance(level, int):
         raise UsageError(f"unknown --log-level {log_level!r}: use DEBUG, INFO, WARNING or ERROR")
     logs.configure(level)
+    if reindex_sparse_mb < 0:
+        raise UsageError(f"--reindex-sparse-mb must not be negative, got {reindex_sparse_mb}")
     try:
         options = WorkerOptions(
             database_url=require_url(database_url),
@@ -624,6 +635,7 @@ def worker(
             prefetch=prefetch,
             reconnect=reconnect,
             vacuum_dead_tuples=vacuum_dead_tuples,
+            reindex_sparse_bytes=reindex_sparse_mb * 1024 * 1024,
             archive_after=archive_age,
         )
     except ValueError as exc:

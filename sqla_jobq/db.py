@@ -77,11 +77,11 @@ def worker_name() -> str:
     return f"jobq worker {socket.gethostname()}:{os.getpid()}"[:63]
 
 
-def connect_kwargs(prepared: bool) -> dict[str, Any]:
+def connect_kwargs(prepared: bool, lock_timeout_ms: int = LOCK_TIMEOUT_MS) -> dict[str, Any]:
     """psycopg connection options shared by every worker session."""
     options = (
         f"-c idle_in_transaction_session_timeout={IDLE_IN_TRANSACTION_TIMEOUT_MS} "
-        f"-c lock_timeout={LOCK_TIMEOUT_MS}"
+        f"-c lock_timeout={lock_timeout_ms}"
     )
     return {
         "autocommit": True,

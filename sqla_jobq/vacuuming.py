@@ -17,6 +17,8 @@ look sends no query. A VACUUM that removes little (a snapshot held somewhere
 keeps the dead tuples needed) makes the next one wait twice as long, up to a
 minute. A role that may not vacuum the table (only its owner may) is told so
 by the server; the worker then logs it once and leaves the table to autovacuum.
+After a VACUUM that ran, the same task rebuilds indexes it left mostly empty
+(see `reindexing`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import psycopg
 from sqlalchemy import Table
 
 from .db import close_quietly, compiled, connect_kwargs, conninfo
+from .reindexing import Reindexer
 from .vacuum_statements import dead_tuples, vacuum
 
 log = logging.getLogger("sqla_jobq.vacuum")
@@ -44,8 +47,16 @@ BACKOFF_MAX = 60.0
 class Vacuumer:
     """Decides when this worker vacuums the table, and runs it in the background."""
 
-    def __init__(self, url: str, table: Table, threshold: int, prepared: bool) -> None:
+    def __init__(
+        self,
+        url: str,
+        table: Table,
+        threshold: int,
+        prepared: bool,
+        reindexer: Reindexer | None = None,
+    ) -> None:
         self.url = conninfo(url)
+        self.reindexer = reindexer
         self.threshold = threshold
         self.prepared = prepared
         self.count_sql = compiled(dead_tuples(table))
@@ -100,9 +111,12 @@ class Vacuumer:
             return
         finally:
             await close_quietly(conn, log)
-        self._judge(before, int(str(rows[0][0])) if rows else 0, notices, started)
+        vacuumed = self._judge(before, int(str(rows[0][0])) if rows else 0, notices, started)
+        if vacuumed and self.reindexer is not None:
+            await self.reindexer.run()
 
-    def _judge(self, before: int, after: int, notices: list[str], started: float) -> None:
+    def _judge(self, before: int, after: int, notices: list[str], started: float) -> bool:
+        """Log the outcome and set the next wait; False when no VACUUM ran."""
         took = time.monotonic() - started
         if any("only table or database owner" in n or "permission" in n for n in notices):
             self.refused = True
@@ -111,10 +125,10 @@ class Vacuumer:
                 self.qualified,
                 notices[0],
             )
-            return
+            return False
         if any("lock not available" in n for n in notices):
             log.debug("vacuum of %s skipped: another vacuum holds it", self.qualified)
-            return
+            return False
         removed = before - after
         if removed * 2 < before:
             self.backoff = min(max(self.backoff * 2, BACKOFF_START), BACKOFF_MAX)
@@ -131,3 +145,4 @@ class Vacuumer:
             if self.backoff
             else "",
         )
+        return True

@@ -57,6 +57,7 @@ from .pickup import IdlePickup, Picked, Starter
 from .presence import Presence, WorkerInfo
 from .ready import ReadyQueue
 from .registry import Registry
+from .reindexing import DEFAULT_MIN_BYTES, Reindexer
 from .scheduler import Scheduler
 from .statements import DEFAULT_LEASE, REAP_BATCH
 from .threads import Follow, HandlerThreads
@@ -134,6 +135,9 @@ class WorkerOptions:
     # VACUUM the queue table once it has this many dead tuples (see
     # `vacuuming`); 0 leaves it to autovacuum alone.
     vacuum_dead_tuples: int = DEFAULT_VACUUM_DEAD_TUPLES
+    # After its VACUUM, rebuild an index of at least this many bytes that is
+    # nearly empty (see `reindexing`); 0 never does.
+    reindex_sparse_bytes: int = DEFAULT_MIN_BYTES
     # Move `done` jobs finished this long ago to `<table>_archive`, in the
     # background (see `archiving`); None keeps them in the jobs table.
     archive_after: timedelta | None = DEFAULT_ARCHIVE_AFTER
@@ -146,6 +150,9 @@ class WorkerOptions:
         if self.vacuum_dead_tuples < 0:
             given = self.vacuum_dead_tuples
             raise ValueError(f"vacuum-dead-tuples must not be negative, got {given}")
+        if self.reindex_sparse_bytes < 0:
+            given = self.reindex_sparse_bytes
+            raise ValueError(f"reindex-sparse-bytes must not be negative, got {given}")
         for what in ("poll_interval", "shutdown_timeout", "reap_interval", "prune_interval"):
             if getattr(self, what) < 0:
                 raise ValueError(f"{what.replace('_', '-')} must not be negative")
@@ -224,7 +231,16 @@ class Worker:
         self.processed = 0
         self.job_log = JobLog()
         self.vacuumer = Vacuumer(
-            options.database_url, registry.table, options.vacuum_dead_tuples, options.prepared
+            options.database_url,
+            registry.table,
+            options.vacuum_dead_tuples,
+            options.prepared,
+            Reindexer(
+                options.database_url,
+                registry.table,
+                options.reindex_sparse_bytes,
+                options.prepared,
+            ),
         )
         self.vacuum_seen = 0  # `processed` at the last look at the dead tuples
         self.archiver = Archiver(

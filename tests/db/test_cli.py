@@ -490,6 +490,10 @@ def test_worker_refuses_bad_options_in_one_line(jobq: Jobq, seeded: list[dict[st
         "log level": ((app, "--log-level", "LOUD"), "unknown --log-level 'LOUD'"),
         "archive-after": ((app, "--archive-after", "banana"), "bad --archive-after 'banana'"),
         "negative archive-after": ((app, "--archive-after", "-5s"), "bad --archive-after '-5s'"),
+        "negative reindex": (
+            (app, "--reindex-sparse-mb", "-1"),
+            "--reindex-sparse-mb must not be negative, got -1",
+        ),
         "no such module": (("nosuchmodule:x",), "cannot import module 'nosuchmodule'"),
         "not a Registry": (("json:dumps",), "json:dumps is function, not a sqla_jobq Registry"),
     }

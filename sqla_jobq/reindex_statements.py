@@ -1,0 +1,93 @@
+"""Pure builders for rebuilding the queue table's indexes once they are mostly
+empty: which are, the rebuild, and the clean-up of a rebuild that failed.
+
+A B-tree never gives pages back. A snapshot held while jobs come and go, or a
+large backlog worked off, leaves the queue table's indexes hundreds of
+megabytes for a few thousand entries, and every VACUUM of the table (every few
+seconds on a busy queue) reads each index in full. `REINDEX INDEX
+CONCURRENTLY` builds a compact copy without blocking claims, enqueues or
+completions. Workers use these (see `reindexing`); they are public so an app
+that runs its own upkeep can issue the same statements.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import Table, TextClause, text
+
+from .schema import names_of
+
+__all__ = ["drop_index", "leftover_indexes", "reindex", "sparse_indexes"]
+
+
+def sparse_indexes(table: Table, min_bytes: int, max_entries_per_page: float) -> TextClause:
+    """The table's valid indexes of at least `min_bytes` holding fewer than
+    `max_entries_per_page` entries per page: rows `qualified`, `bytes`,
+    `entries`, and the table's own `heap_bytes`, which a rebuild reads twice.
+
+    Entries and pages are both `pg_class`'s, as the last VACUUM or ANALYZE of
+    the table left them, so they describe the same moment: the index's current
+    size would make an index that has grown since look sparse. While a
+    snapshot holds dead entries, VACUUM counts them, so an index is never
+    sparse (nor rebuilt, which would wait for that snapshot) during a hold.
+    A freshly built B-tree holds 150 to 400 entries per page here. None while
+    another session builds an index of the table (another worker's rebuild).
+    """
+    return text(
+        """
+SELECT format('%I.%I', n.nspname, c.relname) AS qualified,
+       pg_relation_size(c.oid) AS bytes, c.reltuples::bigint AS entries,
+       pg_relation_size(i.indrelid) AS heap_bytes
+FROM pg_index i
+JOIN pg_class c ON c.oid = i.indexrelid
+JOIN pg_namespace n ON n.oid = c.relnamespace
+WHERE i.indrelid = to_regclass(:qualified)
+  AND i.indisvalid
+  AND c.relpages::bigint * current_setting('block_size')::bigint >= :min_bytes
+  AND c.reltuples >= 0
+  AND c.reltuples < c.relpages * :max_entries_per_page
+  AND NOT EXISTS (SELECT 1 FROM pg_stat_progress_create_index p WHERE p.relid = i.indrelid)
+ORDER BY pg_relation_size(c.oid) DESC
+"""
+    ).bindparams(
+        qualified=names_of(table).qualified,
+        min_bytes=min_bytes,
+        max_entries_per_page=max_entries_per_page,
+    )
+
+
+def leftover_indexes(table: Table) -> TextClause:
+    """Invalid indexes a failed `REINDEX CONCURRENTLY` left on the table (named
+    `<index>_ccnew`, `_ccnew1`, ..., or `_ccold` when only the old copy's drop
+    failed) and no build is working on now: rows `qualified`.
+
+    Such an index serves no query, yet once it was ready for inserts every
+    enqueue, claim and completion keeps updating it. A failed migration's
+    invalid index keeps its own name and is left to `jobq doctor`.
+    """
+    return text(
+        """
+SELECT format('%I.%I', n.nspname, c.relname) AS qualified
+FROM pg_index i
+JOIN pg_class c ON c.oid = i.indexrelid
+JOIN pg_namespace n ON n.oid = c.relnamespace
+WHERE i.indrelid = to_regclass(:qualified)
+  AND NOT i.indisvalid
+  AND c.relname ~ '_cc(new|old)[0-9]*$'
+  AND NOT EXISTS (SELECT 1 FROM pg_stat_progress_create_index p
+                  WHERE p.index_relid = i.indexrelid OR p.relid = i.indrelid)
+"""
+    ).bindparams(qualified=names_of(table).qualified)
+
+
+def reindex(qualified_index: str) -> TextClause:
+    """`REINDEX INDEX CONCURRENTLY`: cannot run in a transaction, so run it in
+    autocommit. It waits for the transactions that write the table when it
+    starts and for snapshots older than its build; a lock timeout bounds
+    those waits, and a timeout leaves a `_ccnew` index for `drop_index`."""
+    return text(f"REINDEX INDEX CONCURRENTLY {qualified_index}")
+
+
+def drop_index(qualified_index: str) -> TextClause:
+    """`DROP INDEX CONCURRENTLY IF EXISTS`, for a leftover of `leftover_indexes`:
+    a plain DROP INDEX would lock the table against every claim meanwhile."""
+    return text(f"DROP INDEX CONCURRENTLY IF EXISTS {qualified_index}")

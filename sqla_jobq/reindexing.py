@@ -1,0 +1,157 @@
+"""Workers rebuild the queue table's indexes once VACUUM leaves them mostly empty
+(internal).
+
+VACUUM frees the entries of finished jobs but never shrinks an index: a
+snapshot held while thousands of jobs a second come and go leaves each index
+hundreds of megabytes for a few thousand entries (in bench.scenes
+held-snapshot, 243 MB of indexes for 10,000 live rows after a 3-minute hold),
+and every later VACUUM of the table, every few seconds on a busy queue, reads
+all of it. So right after its own VACUUM, which has just counted each index's
+entries, a worker looks for indexes with fewer than `MAX_ENTRIES_PER_PAGE`
+entries per page and rebuilds each with `REINDEX INDEX CONCURRENTLY`: claims,
+enqueues and completions go on meanwhile. Oban's Reindexer plugin does the
+same on a clock; here it is the measured sparseness that decides.
+
+What it may cost, and the bounds on it:
+- A rebuild holds the table's SHARE UPDATE EXCLUSIVE lock, so no VACUUM of
+  the table runs meanwhile, and reads the heap twice. Tables whose heap is
+  over `max_heap_bytes` are left to a rebuild by hand at a quiet time.
+- It waits for transactions writing the table as it starts and for snapshots
+  older than its build. `LOCK_TIMEOUT_MS` bounds each wait; a rebuild that
+  gives up leaves an invalid `_ccnew` index, which the next attempt drops
+  first (every write would otherwise keep updating it).
+- A worker that sees another session building an index of the table leaves
+  it be. Two that start at the same moment collide: PostgreSQL ends one with
+  a deadlock error, which may leave an invalid `_ccnew` index that the
+  loser's next attempt drops. Neither blocks a claim.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import psycopg
+from psycopg.rows import dict_row
+from sqlalchemy import Table
+
+from .db import close_quietly, compiled, connect_kwargs, conninfo
+from .reindex_statements import drop_index, leftover_indexes, reindex, sparse_indexes
+
+log = logging.getLogger("sqla_jobq.reindex")
+
+# Below this, an index is too small for its emptiness to cost anything.
+DEFAULT_MIN_BYTES = 8 * 1024 * 1024
+# A freshly built index of the queue table holds 150 to 400 entries per page.
+MAX_ENTRIES_PER_PAGE = 10.0
+# A rebuild reads the heap twice and holds VACUUM off meanwhile: past this, by hand.
+DEFAULT_MAX_HEAP_BYTES = 1024 * 1024 * 1024
+# Long enough for in-flight claims and enqueues, short enough that a long
+# reader elsewhere costs a retry, not minutes without VACUUM.
+LOCK_TIMEOUT_MS = 5_000
+# After a failed attempt, the next waits this long, doubling up to the maximum.
+BACKOFF_START = 60.0
+BACKOFF_MAX = 3600.0
+
+Conn = psycopg.AsyncConnection[dict[str, Any]]
+
+
+class Reindexer:
+    """Rebuilds the table's sparse indexes; `run` after each VACUUM of this worker."""
+
+    def __init__(
+        self,
+        url: str,
+        table: Table,
+        min_bytes: int,
+        prepared: bool,
+        max_heap_bytes: int = DEFAULT_MAX_HEAP_BYTES,
+        lock_timeout_ms: int = LOCK_TIMEOUT_MS,
+    ) -> None:
+        self.url = conninfo(url)
+        self.lock_timeout_ms = lock_timeout_ms
+        self.min_bytes = min_bytes
+        self.max_heap_bytes = max_heap_bytes
+        self.prepared = prepared
+        self.qualified = table.fullname
+        self.sparse_sql = compiled(sparse_indexes(table, min_bytes, MAX_ENTRIES_PER_PAGE))
+        self.leftover_sql = compiled(leftover_indexes(table))
+        self.backoff = 0.0
+        self.not_before = float("-inf")
+        self.refused = False
+        self.told_too_large = False
+
+    @property
+    def enabled(self) -> bool:
+        return self.min_bytes > 0 and not self.refused
+
+    async def run(self) -> None:
+        """Drop what an earlier attempt left, then rebuild every sparse index."""
+        if not self.enabled or time.monotonic() < self.not_before:
+            return
+        conn: Conn | None = None
+        try:
+            options = connect_kwargs(self.prepared, self.lock_timeout_ms)
+            conn = await psycopg.AsyncConnection.connect(self.url, row_factory=dict_row, **options)
+            await self._drop_leftovers(conn)
+            await self._rebuild_sparse(conn)
+            self.backoff = 0.0
+        except psycopg.errors.InsufficientPrivilege as exc:
+            self.refused = True
+            log.info("not rebuilding indexes of %s: this role may not (%s)", self.qualified, exc)
+        except psycopg.Error as exc:
+            self.backoff = min(max(self.backoff * 2, BACKOFF_START), BACKOFF_MAX)
+            self.not_before = time.monotonic() + self.backoff
+            log.warning(
+                "could not rebuild an index of %s (%s); next attempt in %.0fs",
+                self.qualified,
+                str(exc).strip().splitlines()[0],
+                self.backoff,
+            )
+        finally:
+            await close_quietly(conn, log)
+
+    async def _drop_leftovers(self, conn: Conn) -> None:
+        for row in await (await conn.execute(*self.leftover_sql)).fetchall():
+            await conn.execute(*compiled(drop_index(str(row["qualified"]))))
+            log.info("dropped %s, left invalid by an earlier rebuild", row["qualified"])
+
+    async def _rebuild_sparse(self, conn: Conn) -> None:
+        for row in await (await conn.execute(*self.sparse_sql)).fetchall():
+            if int(row["heap_bytes"]) > self.max_heap_bytes:
+                self._tell_too_large(row)
+                return
+            started = time.monotonic()
+            await conn.execute(*compiled(reindex(str(row["qualified"]))))
+            log.info(
+                "rebuilt %s in %.2fs: %s entries in %s MB -> %s MB",
+                row["qualified"],
+                time.monotonic() - started,
+                f"{int(row['entries']):,}",
+                _mb(int(row["bytes"])),
+                _mb(await _index_bytes(conn, str(row["qualified"]))),
+            )
+
+    def _tell_too_large(self, row: dict[str, Any]) -> None:
+        if not self.told_too_large:
+            self.told_too_large = True
+            log.warning(
+                "%s is %s MB for %s entries, but a rebuild would read a %s MB heap twice "
+                "with VACUUM held off: at a quiet time, REINDEX INDEX CONCURRENTLY %s",
+                row["qualified"],
+                _mb(int(row["bytes"])),
+                f"{int(row['entries']):,}",
+                _mb(int(row["heap_bytes"])),
+                row["qualified"],
+            )
+
+
+async def _index_bytes(conn: Conn, qualified: str) -> int:
+    cur = await conn.execute("SELECT pg_relation_size(%s::regclass) AS bytes", (qualified,))
+    row = await cur.fetchone()
+    return int(row["bytes"]) if row else 0
+
+
+def _mb(size: int) -> str:
+    return f"{size / 1048576:.1f}"
