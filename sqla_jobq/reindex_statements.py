@@ -16,7 +16,10 @@ from sqlalchemy import Table, TextClause, text
 
 from .schema import names_of
 
-__all__ = ["drop_index", "leftover_indexes", "reindex", "sparse_indexes"]
+__all__ = ["LEFTOVER_SUFFIX", "drop_index", "leftover_indexes", "reindex", "sparse_indexes"]
+
+# How PostgreSQL names the copies a REINDEX CONCURRENTLY makes (a POSIX regex).
+LEFTOVER_SUFFIX = "_cc(new|old)[0-9]*$"
 
 
 def sparse_indexes(table: Table, min_bytes: int, max_entries_per_page: float) -> TextClause:
@@ -72,11 +75,11 @@ JOIN pg_class c ON c.oid = i.indexrelid
 JOIN pg_namespace n ON n.oid = c.relnamespace
 WHERE i.indrelid = to_regclass(:qualified)
   AND NOT i.indisvalid
-  AND c.relname ~ '_cc(new|old)[0-9]*$'
+  AND c.relname ~ :suffix
   AND NOT EXISTS (SELECT 1 FROM pg_stat_progress_create_index p
                   WHERE p.index_relid = i.indexrelid OR p.relid = i.indrelid)
 """
-    ).bindparams(qualified=names_of(table).qualified)
+    ).bindparams(qualified=names_of(table).qualified, suffix=LEFTOVER_SUFFIX)
 
 
 def reindex(qualified_index: str) -> TextClause:

@@ -36,7 +36,7 @@ import psycopg
 from psycopg.rows import dict_row
 from sqlalchemy import Table
 
-from .db import close_quietly, compiled, connect_kwargs, conninfo
+from .db import Query, close_quietly, compiled, connect_kwargs, conninfo
 from .reindex_statements import drop_index, leftover_indexes, reindex, sparse_indexes
 
 log = logging.getLogger("sqla_jobq.reindex")
@@ -86,16 +86,17 @@ class Reindexer:
     def enabled(self) -> bool:
         return self.min_bytes > 0 and not self.refused
 
-    async def run(self) -> None:
-        """Drop what an earlier attempt left, then rebuild every sparse index."""
+    async def run(self, look: psycopg.AsyncConnection[Any]) -> None:
+        """Read on `look` (the VACUUM's own connection, still open) what an
+        earlier attempt left and which indexes are sparse; only when there is
+        work, open a connection with a longer lock timeout and do it."""
         if not self.enabled or time.monotonic() < self.not_before:
             return
-        conn: Conn | None = None
         try:
-            options = connect_kwargs(self.prepared, self.lock_timeout_ms)
-            conn = await psycopg.AsyncConnection.connect(self.url, row_factory=dict_row, **options)
-            await self._drop_leftovers(conn)
-            await self._rebuild_sparse(conn)
+            left = await _rows(look, self.leftover_sql)
+            sparse = [r for r in await _rows(look, self.sparse_sql) if self._small_enough(r)]
+            if left or sparse:
+                await self._work(left, sparse)
             self.backoff = 0.0
         except psycopg.errors.InsufficientPrivilege as exc:
             self.refused = True
@@ -109,19 +110,22 @@ class Reindexer:
                 str(exc).strip().splitlines()[0],
                 self.backoff,
             )
+
+    async def _work(self, left: list[dict[str, Any]], sparse: list[dict[str, Any]]) -> None:
+        """Drop the leftovers first: every write keeps updating them."""
+        conn: Conn | None = None
+        try:
+            options = connect_kwargs(self.prepared, self.lock_timeout_ms)
+            conn = await psycopg.AsyncConnection.connect(self.url, row_factory=dict_row, **options)
+            for row in left:
+                await conn.execute(*compiled(drop_index(str(row["qualified"]))))
+                log.info("dropped %s, left invalid by an earlier rebuild", row["qualified"])
+            await self._rebuild(conn, sparse)
         finally:
             await close_quietly(conn, log)
 
-    async def _drop_leftovers(self, conn: Conn) -> None:
-        for row in await (await conn.execute(*self.leftover_sql)).fetchall():
-            await conn.execute(*compiled(drop_index(str(row["qualified"]))))
-            log.info("dropped %s, left invalid by an earlier rebuild", row["qualified"])
-
-    async def _rebuild_sparse(self, conn: Conn) -> None:
-        for row in await (await conn.execute(*self.sparse_sql)).fetchall():
-            if int(row["heap_bytes"]) > self.max_heap_bytes:
-                self._tell_too_large(row)
-                return
+    async def _rebuild(self, conn: Conn, sparse: list[dict[str, Any]]) -> None:
+        for row in sparse:
             started = time.monotonic()
             await conn.execute(*compiled(reindex(str(row["qualified"]))))
             log.info(
@@ -133,7 +137,10 @@ class Reindexer:
                 _mb(await _index_bytes(conn, str(row["qualified"]))),
             )
 
-    def _tell_too_large(self, row: dict[str, Any]) -> None:
+    def _small_enough(self, row: dict[str, Any]) -> bool:
+        """A heap this worker may read twice; else say once how to do it by hand."""
+        if int(row["heap_bytes"]) <= self.max_heap_bytes:
+            return True
         if not self.told_too_large:
             self.told_too_large = True
             log.warning(
@@ -145,6 +152,12 @@ class Reindexer:
                 _mb(int(row["heap_bytes"])),
                 row["qualified"],
             )
+        return False
+
+
+async def _rows(conn: psycopg.AsyncConnection[Any], query: Query) -> list[dict[str, Any]]:
+    cur = conn.cursor(row_factory=dict_row)
+    return await (await cur.execute(*query)).fetchall()
 
 
 async def _index_bytes(conn: Conn, qualified: str) -> int:

@@ -105,15 +105,14 @@ class Vacuumer:
             conn.add_notice_handler(lambda d: notices.append(d.message_primary or ""))
             await conn.execute(self.vacuum_sql)
             rows = await (await conn.execute(*self.count_sql)).fetchall()
+            after = int(str(rows[0][0])) if rows else 0
+            if self._judge(before, after, notices, started) and self.reindexer is not None:
+                await self.reindexer.run(conn)
         except psycopg.Error as exc:
             log.warning("could not vacuum %s: %s", self.qualified, exc)
             self.not_before = time.monotonic() + BACKOFF_MAX
-            return
         finally:
             await close_quietly(conn, log)
-        vacuumed = self._judge(before, int(str(rows[0][0])) if rows else 0, notices, started)
-        if vacuumed and self.reindexer is not None:
-            await self.reindexer.run()
 
     def _judge(self, before: int, after: int, notices: list[str], started: float) -> bool:
         """Log the outcome and set the next wait; False when no VACUUM ran."""

@@ -4,6 +4,7 @@ and is valid, with the exact DDL to fix one that is not."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -11,6 +12,7 @@ from sqlalchemy import MetaData
 from sqlalchemy.dialects.postgresql.base import PGDialect
 from sqlalchemy.schema import CreateIndex, Index
 
+from ..reindex_statements import LEFTOVER_SUFFIX
 from ..schema import Names, jobs_table
 from .autovacuum import off_where
 from .model import Facts, Finding, Row, Thresholds, ok, warn
@@ -103,7 +105,8 @@ def size_finding(facts: Facts, names: Names, t: Thresholds) -> Finding:
     server read about 530 MB every 10 s from outside shared_buffers until it
     was rewritten, which took 0.7 s. Pickup latency came back as fast either
     way there: what this costs is I/O, which on a disk with an IOPS budget
-    (most cloud volumes) is not free. Only a rewrite gives the space back.
+    (most cloud volumes) is not free. Workers rebuild indexes left that sparse
+    (see `reindexing`); only a rewrite gives the heap's space back.
     """
     row = facts.table
     table_bytes, index_bytes = int(row["table_bytes"]), int(row["index_bytes"])
@@ -160,6 +163,9 @@ def _rewrite_advice(names: Names, size: int) -> str:
     )
 
 
+_LEFTOVER = re.compile(LEFTOVER_SUFFIX)
+
+
 # What goes wrong without each index, by the name `Names` gives it.
 def _index_roles(names: Names) -> dict[str, str]:
     return {
@@ -203,9 +209,28 @@ def index_findings(rows: Sequence[Row], names: Names) -> list[Finding]:
             )
         else:
             fine.append(name if row["valid"] else f"{name} (being built)")
+    warnings.extend(_leftover_findings(rows, names))
     if fine:
         warnings.append(ok("index", "indexes", "valid: " + ", ".join(fine), {"valid": fine}))
     return warnings
+
+
+def _leftover_findings(rows: Sequence[Row], names: Names) -> list[Finding]:
+    """An invalid `_ccnew`/`_ccold` copy a REINDEX CONCURRENTLY gave up on
+    serves no query, yet every write to the table keeps it up to date. A
+    worker's next rebuild drops it; this says so before then."""
+    return [
+        warn(
+            "index",
+            f"index {row['name']}",
+            "INVALID copy left by a REINDEX CONCURRENTLY that gave up: every enqueue, "
+            "claim and completion still writes to it",
+            f"drop it: DROP INDEX CONCURRENTLY {_qualified_index(names, str(row['name']))}",
+            {"name": row["name"], "exists": True, "valid": False},
+        )
+        for row in rows
+        if not row["valid"] and not row["building"] and _LEFTOVER.search(str(row["name"]))
+    ]
 
 
 def _name(index: Index) -> str:

@@ -380,6 +380,30 @@ def test_doctor_flags_an_index_left_invalid_by_a_failed_concurrent_build(
     assert all(f.level == "ok" for f in of_check(diagnose(engine, table), "index"))
 
 
+def test_doctor_flags_the_invalid_copy_a_reindex_concurrently_left_and_its_advice_drops_it(
+    engine: Engine, table: Table, database_url: str, raw: psycopg.Connection[tuple[object, ...]]
+) -> None:
+    claim_index = names_of(table).claim_index
+    # A snapshot older than the rebuild makes it wait after it has built its
+    # copy; the lock timeout then leaves that copy INVALID beside the index.
+    with psycopg.connect(conninfo(database_url)) as older:
+        older.execute(b"BEGIN ISOLATION LEVEL REPEATABLE READ")
+        older.execute(b"SELECT 1")
+        raw.execute(b"SET lock_timeout = '300ms'")
+        with pytest.raises(psycopg.errors.LockNotAvailable):
+            raw.execute(f'REINDEX INDEX CONCURRENTLY "{claim_index}"'.encode())
+        raw.execute(b"RESET lock_timeout")
+        older.rollback()
+    report = diagnose(engine, table)
+    (left,) = [f for f in of_check(report, "index") if f.level == "warn"]
+    assert left.subject == f"index {claim_index}_ccnew"
+    assert "every enqueue, claim and completion still writes to it" in left.summary
+    assert left.advice == f'drop it: DROP INDEX CONCURRENTLY "{claim_index}_ccnew"'
+
+    raw.execute(left.advice.removeprefix("drop it: ").encode())
+    assert all(f.level == "ok" for f in of_check(diagnose(engine, table), "index"))
+
+
 def test_doctor_flags_a_never_analyzed_table_until_it_is_analyzed(
     engine: Engine, table: Table, raw: psycopg.Connection[tuple[object, ...]]
 ) -> None:

@@ -75,6 +75,16 @@ def reindexer(url: str, table: Table, **kwargs: Any) -> Reindexer:
     return Reindexer(url, table, min_bytes=MIN_BYTES, prepared=True, **kwargs)
 
 
+async def look_and_rebuild(r: Reindexer) -> None:
+    """What a worker does right after its VACUUM, on that VACUUM's connection."""
+    async with await psycopg.AsyncConnection.connect(r.url, autocommit=True) as look:
+        await r.run(look)
+
+
+def rebuild(r: Reindexer) -> None:
+    asyncio.run(look_and_rebuild(r))
+
+
 def rebuilt_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [m for r in caplog.records if (m := r.getMessage()).startswith("rebuilt ")]
 
@@ -104,12 +114,12 @@ def test_no_index_is_rebuilt_while_a_snapshot_holds_its_dead_entries(
     churn(engine, raw, table)
     vacuum(raw, table)
     before = indexes(raw, table)
-    asyncio.run(reindexer(database_url, table).run())
+    rebuild(reindexer(database_url, table))
     assert indexes(raw, table) == before and not rebuilt_lines(caplog)
 
     held.rollback()
     vacuum(raw, table)
-    asyncio.run(reindexer(database_url, table).run())
+    rebuild(reindexer(database_url, table))
     after = indexes(raw, table)
     assert after.keys() == before.keys() and all(valid for _, valid in after.values())
     assert total_index_bytes(raw, table) < sum(size for size, _ in before.values()) / 4
@@ -214,7 +224,7 @@ def test_a_rebuild_behind_an_older_snapshot_blocks_no_claim_gives_up_and_its_lef
     with psycopg.connect(conninfo(database_url)) as older:
         older.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
         older.execute("SELECT 1")
-        attempt = threading.Thread(target=lambda: asyncio.run(slow.run()))
+        attempt = threading.Thread(target=lambda: rebuild(slow))
         attempt.start()
         wait_until(lambda: reindex_waiting(raw), 10, "the rebuild waiting for the snapshot")
         claim_and_complete_one(engine, table)
@@ -226,7 +236,7 @@ def test_a_rebuild_behind_an_older_snapshot_blocks_no_claim_gives_up_and_its_lef
     assert left and all(name.endswith("_ccnew") for name in left), left
 
     slow.not_before = float("-inf")
-    asyncio.run(slow.run())
+    rebuild(slow)
     assert set(indexes(raw, table)) == names and not leftovers(raw, table)
     assert slow.backoff == 0.0 and rebuilt_lines(caplog)
     assert any(r.getMessage().startswith("dropped ") for r in caplog.records)
@@ -245,13 +255,13 @@ def test_two_workers_rebuilding_at_once_leave_valid_compact_indexes(
     pair = [reindexer(database_url, table), reindexer(database_url, table)]
 
     async def both() -> None:
-        await asyncio.gather(*(r.run() for r in pair))
+        await asyncio.gather(*(look_and_rebuild(r) for r in pair))
 
     asyncio.run(both())
     for r in pair:
         if r.backoff:
             r.not_before = float("-inf")
-            asyncio.run(r.run())
+            rebuild(r)
     after = indexes(raw, table)
     assert after.keys() == before.keys() and not leftovers(raw, table)
     assert total_index_bytes(raw, table) < sum(size for size, _ in before.values()) / 4
@@ -276,8 +286,8 @@ def test_a_role_that_may_not_rebuild_indexes_is_told_once_and_stops_trying(
     vacuum(raw, table)
     before = indexes(raw, table)
     refused = reindexer(role_url, table)
-    asyncio.run(refused.run())
-    asyncio.run(refused.run())
+    rebuild(refused)
+    rebuild(refused)
     assert refused.refused and not refused.enabled
     told = [r.getMessage() for r in caplog.records if "may not" in r.getMessage()]
     assert len(told) == 1 and "owner" in told[0], told
@@ -292,8 +302,8 @@ def test_indexes_of_a_heap_too_large_to_read_twice_are_left_to_a_rebuild_by_hand
     vacuum(raw, table)
     before = indexes(raw, table)
     careful = reindexer(database_url, table, max_heap_bytes=8192)
-    asyncio.run(careful.run())
-    asyncio.run(careful.run())
+    rebuild(careful)
+    rebuild(careful)
     assert indexes(raw, table) == before and not rebuilt_lines(caplog)
     told = [r.getMessage() for r in caplog.records if "at a quiet time" in r.getMessage()]
     assert len(told) == 1 and "REINDEX INDEX CONCURRENTLY" in told[0], told
