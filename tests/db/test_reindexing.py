@@ -25,7 +25,7 @@ from sqla_jobq.reindexing import BACKOFF_START, MAX_ENTRIES_PER_PAGE, Reindexer
 from tests.support.faultqueue import drop_role
 from tests.support.inprocess import running
 from tests.support.rows import every_job
-from tests.support.waiting import wait_until
+from tests.support.waiting import wait_until, wait_until_async
 
 Raw = psycopg.Connection[Any]
 
@@ -240,6 +240,42 @@ def test_a_rebuild_behind_an_older_snapshot_blocks_no_claim_gives_up_and_its_lef
     assert set(indexes(raw, table)) == names and not leftovers(raw, table)
     assert slow.backoff == 0.0 and rebuilt_lines(caplog)
     assert any(r.getMessage().startswith("dropped ") for r in caplog.records)
+
+
+def test_a_worker_stopped_mid_rebuild_cancels_it_on_the_server_and_the_next_attempt_cleans_up(
+    database_url: str, engine: Engine, raw: Raw, table: Table
+) -> None:
+    """Stopping a worker cancels its VACUUM task (`Vacuumer.stop`): the
+    rebuild is cancelled on the server too, not left running for nobody,
+    and what it had built is dropped by the next attempt."""
+    churn(engine, raw, table)
+    vacuum(raw, table)
+    names = set(indexes(raw, table))
+    patient = reindexer(database_url, table, lock_timeout_ms=60_000)
+
+    async def stopped_mid_rebuild() -> None:
+        task = asyncio.create_task(look_and_rebuild(patient))
+        await wait_until_async(lambda: reindex_waiting(raw), 10, "the rebuild waiting")
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    with psycopg.connect(conninfo(database_url)) as older:
+        older.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        older.execute("SELECT 1")
+        asyncio.run(stopped_mid_rebuild())
+        wait_until(lambda: not reindexing_anywhere(raw), 10, "the rebuild gone from the server")
+        older.rollback()
+    assert leftovers(raw, table)
+    rebuild(patient)
+    assert set(indexes(raw, table)) == names and not leftovers(raw, table)
+
+
+def reindexing_anywhere(raw: Raw) -> bool:
+    row = raw.execute(
+        "SELECT 1 FROM pg_stat_activity WHERE query LIKE 'REINDEX INDEX CONCURRENTLY%' "
+        "AND state = 'active'"
+    ).fetchone()
+    return row is not None
 
 
 def test_two_workers_rebuilding_at_once_leave_valid_compact_indexes(
