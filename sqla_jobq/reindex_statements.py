@@ -27,13 +27,16 @@ def sparse_indexes(table: Table, min_bytes: int, max_entries_per_page: float) ->
     `max_entries_per_page` entries per page: rows `qualified`, `bytes`,
     `entries`, and the table's own `heap_bytes`, which a rebuild reads twice.
 
-    Entries and pages are both `pg_class`'s, as the last VACUUM or ANALYZE of
-    the table left them, so they describe the same moment: the index's current
-    size would make an index that has grown since look sparse. While a
+    Entries and pages both come from `pg_class`, as the last VACUUM or ANALYZE
+    of the table left them, so they describe one moment (set against the
+    index's current size, the entries would make one that grew since look
+    sparse). Every index of the table counts, a host app's own too. While a
     snapshot holds dead entries, VACUUM counts them, so an index is never
     sparse (nor rebuilt, which would wait for that snapshot) during a hold.
     A freshly built B-tree holds 150 to 400 entries per page here. None while
-    another session builds an index of the table (another worker's rebuild).
+    another session builds an index of the table (another worker's rebuild);
+    never an exclusion constraint's, which PostgreSQL cannot rebuild
+    concurrently (a host app may add one).
     """
     return text(
         """
@@ -45,6 +48,7 @@ JOIN pg_class c ON c.oid = i.indexrelid
 JOIN pg_namespace n ON n.oid = c.relnamespace
 WHERE i.indrelid = to_regclass(:qualified)
   AND i.indisvalid
+  AND NOT i.indisexclusion
   AND c.relpages::bigint * current_setting('block_size')::bigint >= :min_bytes
   AND c.reltuples >= 0
   AND c.reltuples < c.relpages * :max_entries_per_page

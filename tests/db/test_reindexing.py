@@ -345,5 +345,26 @@ def test_indexes_of_a_heap_too_large_to_read_twice_are_left_to_a_rebuild_by_hand
     assert len(told) == 1 and "REINDEX INDEX CONCURRENTLY" in told[0], told
 
 
+def test_an_exclusion_constraint_a_host_app_added_is_left_alone_and_the_rest_rebuilt(
+    database_url: str, engine: Engine, raw: Raw, table: Table, caplog: pytest.LogCaptureFixture
+) -> None:
+    """PostgreSQL cannot rebuild an exclusion constraint's index concurrently:
+    trying would fail at every attempt, and hold the others back."""
+    caplog.set_level(logging.INFO, logger="sqla_jobq.reindex")
+    raw.execute(
+        f'ALTER TABLE "{table.name}" ADD CONSTRAINT "{table.name}_x" '
+        "EXCLUDE USING btree (id WITH =)"
+    )
+    churn(engine, raw, table)
+    vacuum(raw, table)
+    before = indexes(raw, table)
+    everyone = reindexer(database_url, table)
+    rebuild(everyone)
+    after = indexes(raw, table)
+    assert after[f"{table.name}_x"] == before[f"{table.name}_x"]
+    assert everyone.backoff == 0.0 and len(rebuilt_lines(caplog)) >= 3
+    assert not any(r.levelno >= logging.WARNING for r in caplog.records)
+
+
 def test_a_size_of_zero_turns_rebuilding_off(database_url: str, table: Table) -> None:
     assert not Reindexer(database_url, table, min_bytes=0, prepared=True).enabled
