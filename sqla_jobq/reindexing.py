@@ -4,7 +4,8 @@
 VACUUM frees the entries of finished jobs but never shrinks an index: a
 snapshot held while thousands of jobs a second come and go leaves each index
 hundreds of megabytes for a few thousand entries (in bench.scenes
-held-snapshot, 243 MB of indexes for 10,000 live rows after a 3-minute hold),
+held-snapshot, 167 to 280 MB of indexes after a 3-minute hold, 5 to 12 MB
+rebuilt),
 and every later VACUUM of the table, every few seconds on a busy queue, reads
 all of it. So right after its own VACUUM, which has just counted each index's
 entries, a worker looks for indexes with fewer than `MAX_ENTRIES_PER_PAGE`
