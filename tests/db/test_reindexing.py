@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,16 +14,15 @@ import psycopg
 import pytest
 from sqlalchemy import Engine, Table
 from sqlalchemy.dialects import postgresql
-from sqlalchemy.engine import make_url
 
-from sqla_jobq import Registry, client, statements
+from sqla_jobq import client, statements
 from sqla_jobq.db import conninfo
 from sqla_jobq.job import NewJob
 from sqla_jobq.reindex_statements import sparse_indexes
 from sqla_jobq.reindexing import BACKOFF_START, MAX_ENTRIES_PER_PAGE, Reindexer
-from tests.support.faultqueue import drop_role
 from tests.support.inprocess import running
 from tests.support.rows import every_job
+from tests.support.upkeep import dml_role, done, noop_registry
 from tests.support.waiting import wait_until, wait_until_async
 
 Raw = psycopg.Connection[Any]
@@ -124,24 +122,6 @@ def test_no_index_is_rebuilt_while_a_snapshot_holds_its_dead_entries(
     assert after.keys() == before.keys() and all(valid for _, valid in after.values())
     assert total_index_bytes(raw, table) < sum(size for size, _ in before.values()) / 4
     assert len(rebuilt_lines(caplog)) >= 3, rebuilt_lines(caplog)
-
-
-def noop_registry(table: Table) -> Registry:
-    registry = Registry(table)
-
-    @registry.task(name="noop")
-    def noop() -> None:
-        return None
-
-    return registry
-
-
-def done(raw: Raw, table: Table) -> int:
-    row = raw.execute(
-        f"SELECT count(*) FROM {every_job(table, 'status')} WHERE status = 'done'"
-    ).fetchone()
-    assert row is not None
-    return int(row[0])
 
 
 def test_busy_worker_rebuilds_the_indexes_a_held_snapshot_left_mostly_empty(
@@ -307,11 +287,8 @@ def test_two_workers_rebuilding_at_once_leave_valid_compact_indexes(
 @pytest.fixture
 def role_url(database_url: str, raw: Raw, table: Table) -> Iterator[str]:
     """A login role with DML on the queue table: it may work the queue, not rebuild it."""
-    role = f"jobq_noreindex_{uuid.uuid4().hex[:8]}"
-    raw.execute(f"CREATE ROLE {role} LOGIN".encode())
-    raw.execute(f'GRANT SELECT, INSERT, UPDATE, DELETE ON "{table.name}" TO {role}'.encode())
-    yield make_url(database_url).set(username=role).render_as_string(hide_password=False)
-    drop_role(raw, role, owned=True)
+    with dml_role(raw, database_url, table, "jobq_noreindex") as url:
+        yield url
 
 
 def test_a_role_that_may_not_rebuild_indexes_is_told_once_and_stops_trying(

@@ -10,7 +10,6 @@ import asyncio
 import logging
 import re
 import time
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,28 +17,16 @@ import psycopg
 import pytest
 from psycopg.rows import dict_row
 from sqlalchemy import Engine, Table
-from sqlalchemy.engine import make_url
 
-from sqla_jobq import Registry, client
+from sqla_jobq import client
 from sqla_jobq.db import conninfo
 from sqla_jobq.job import NewJob
 from sqla_jobq.vacuuming import BACKOFF_START, Vacuumer
-from tests.support.faultqueue import drop_role
 from tests.support.inprocess import running
-from tests.support.rows import every_job
+from tests.support.upkeep import dml_role, done, noop_registry
 from tests.support.waiting import wait_until
 
 Raw = psycopg.Connection[Any]
-
-
-def noop_registry(table: Table) -> Registry:
-    registry = Registry(table)
-
-    @registry.task(name="noop")
-    def noop() -> None:
-        return None
-
-    return registry
 
 
 def enqueue(engine: Engine, table: Table, count: int) -> None:
@@ -52,14 +39,6 @@ def vacuums(raw: Raw, table: Table) -> int:
         "SELECT vacuum_count FROM pg_stat_user_tables WHERE relid = %s::regclass", (table.name,)
     ).fetchone()
     return int(row[0]) if row else 0
-
-
-def done(raw: Raw, table: Table) -> int:
-    row = raw.execute(
-        f"SELECT count(*) FROM {every_job(table, 'status')} WHERE status = 'done'"
-    ).fetchone()
-    assert row is not None
-    return int(row[0])
 
 
 def vacuum_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
@@ -134,11 +113,8 @@ def test_vacuum_never_waits_behind_another_session_holding_the_table(
 @pytest.fixture
 def role_url(database_url: str, raw: Raw, table: Table) -> Iterator[str]:
     """A login role with DML on the queue table: it may work the queue, not vacuum it."""
-    role = f"jobq_novac_{uuid.uuid4().hex[:8]}"
-    raw.execute(f"CREATE ROLE {role} LOGIN".encode())
-    raw.execute(f'GRANT SELECT, INSERT, UPDATE, DELETE ON "{table.name}" TO {role}'.encode())
-    yield make_url(database_url).set(username=role).render_as_string(hide_password=False)
-    drop_role(raw, role, owned=True)
+    with dml_role(raw, database_url, table, "jobq_novac") as url:
+        yield url
 
 
 def test_a_role_that_may_not_vacuum_is_told_once_and_stops_trying(
