@@ -16,7 +16,14 @@ from sqlalchemy import Table, TextClause, text
 
 from .schema import names_of
 
-__all__ = ["LEFTOVER_SUFFIX", "drop_index", "leftover_indexes", "reindex", "sparse_indexes"]
+__all__ = [
+    "LEFTOVER_SUFFIX",
+    "drop_index",
+    "index_bytes",
+    "leftover_indexes",
+    "reindex",
+    "sparse_indexes",
+]
 
 # How PostgreSQL names the copies a REINDEX CONCURRENTLY makes (a POSIX regex).
 LEFTOVER_SUFFIX = "_cc(new|old)[0-9]*$"
@@ -92,6 +99,13 @@ def reindex(qualified_index: str) -> TextClause:
     starts and for snapshots older than its build; a lock timeout bounds
     those waits, and a timeout leaves a `_ccnew` index for `drop_index`."""
     return text(f"REINDEX INDEX CONCURRENTLY {qualified_index}")
+
+
+def index_bytes(qualified_index: str) -> TextClause:
+    """The index's size now, one row `bytes`: what a rebuild left."""
+    return text("SELECT pg_relation_size(to_regclass(:index)) AS bytes").bindparams(
+        index=qualified_index
+    )
 
 
 def drop_index(qualified_index: str) -> TextClause:

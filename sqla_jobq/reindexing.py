@@ -38,7 +38,14 @@ from psycopg.rows import dict_row
 from sqlalchemy import Table
 
 from .db import Query, close_quietly, compiled, connect_kwargs, conninfo
-from .reindex_statements import drop_index, leftover_indexes, reindex, sparse_indexes
+from .reindex_statements import (
+    drop_index,
+    index_bytes,
+    leftover_indexes,
+    reindex,
+    sparse_indexes,
+)
+from .units import byte_size
 
 log = logging.getLogger("sqla_jobq.reindex")
 
@@ -130,12 +137,12 @@ class Reindexer:
             started = time.monotonic()
             await conn.execute(*compiled(reindex(str(row["qualified"]))))
             log.info(
-                "rebuilt %s in %.2fs: %s entries in %s MB -> %s MB",
+                "rebuilt %s in %.2fs: %s entries in %s -> %s",
                 row["qualified"],
                 time.monotonic() - started,
                 f"{int(row['entries']):,}",
-                _mb(int(row["bytes"])),
-                _mb(await _index_bytes(conn, str(row["qualified"]))),
+                byte_size(int(row["bytes"])),
+                byte_size(await _size(conn, str(row["qualified"]))),
             )
 
     def _small_enough(self, row: dict[str, Any]) -> bool:
@@ -145,12 +152,12 @@ class Reindexer:
         if not self.told_too_large:
             self.told_too_large = True
             log.warning(
-                "%s is %s MB for %s entries, but a rebuild would read a %s MB heap twice "
+                "%s is %s for %s entries, but a rebuild would read a %s heap twice "
                 "with VACUUM held off: at a quiet time, REINDEX INDEX CONCURRENTLY %s",
                 row["qualified"],
-                _mb(int(row["bytes"])),
+                byte_size(int(row["bytes"])),
                 f"{int(row['entries']):,}",
-                _mb(int(row["heap_bytes"])),
+                byte_size(int(row["heap_bytes"])),
                 row["qualified"],
             )
         return False
@@ -161,11 +168,7 @@ async def _rows(conn: psycopg.AsyncConnection[Any], query: Query) -> list[dict[s
     return await (await cur.execute(*query)).fetchall()
 
 
-async def _index_bytes(conn: Conn, qualified: str) -> int:
-    cur = await conn.execute("SELECT pg_relation_size(%s::regclass) AS bytes", (qualified,))
-    row = await cur.fetchone()
-    return int(row["bytes"]) if row else 0
+async def _size(conn: Conn, qualified: str) -> int:
+    row = await (await conn.execute(*compiled(index_bytes(qualified)))).fetchone()
+    return int(row["bytes"]) if row and row["bytes"] is not None else 0
 
-
-def _mb(size: int) -> str:
-    return f"{size / 1048576:.1f}"

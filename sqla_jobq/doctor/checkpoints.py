@@ -21,8 +21,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ..units import byte_size, secs
 from .model import Facts, Finding, Row, Thresholds, ok, warn
-from .units import byte_size, secs
 
 GB = 1024**3
 

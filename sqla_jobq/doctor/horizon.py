@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from ..units import rounded, secs, xids
 from .model import Facts, Finding, Row, Thresholds, ok, warn
-from .units import rounded, secs, xids
 
 
 def _session_age(s: Row) -> int | None:

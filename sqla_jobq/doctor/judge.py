@@ -10,6 +10,7 @@ from collections.abc import Iterable
 
 from ..migrations.check import LATEST
 from ..schema import Names
+from ..units import secs
 from .autovacuum import autovacuum_finding
 from .checkpoints import checkpoint_finding
 from .horizon import (
@@ -23,7 +24,6 @@ from .model import Facts, Finding, Thresholds, ok, warn
 from .queues import queue_findings
 from .settings import settings_findings
 from .table import dead_tuple_finding, index_findings, size_finding, statistics_finding
-from .units import secs
 
 
 def judge(facts: Facts, names: Names, t: Thresholds) -> list[Finding]:

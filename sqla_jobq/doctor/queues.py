@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..schema import Names
+from ..units import period, rounded, secs
 from .model import Finding, Row, Thresholds, ok, warn
-from .units import period, rounded, secs
 
 
 @dataclass(frozen=True)

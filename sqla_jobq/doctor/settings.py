@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from datetime import datetime
 
+from ..units import ago, iso
 from .model import Finding, Row, ok, warn
-from .units import ago, iso
 
 
 def settings_findings(settings: Sequence[Row], now: datetime) -> list[Finding]:

@@ -14,9 +14,9 @@ from sqlalchemy.schema import CreateIndex, Index
 
 from ..reindex_statements import LEFTOVER_SUFFIX
 from ..schema import Names, jobs_table
+from ..units import ago, byte_size, iso
 from .autovacuum import off_where
 from .model import Facts, Finding, Row, Thresholds, ok, warn
-from .units import ago, byte_size, iso
 
 _PG = PGDialect()  # type: ignore[no-untyped-call]
 _VACUUM_TIMES = ("last_vacuum", "last_autovacuum", "last_analyze", "last_autoanalyze")

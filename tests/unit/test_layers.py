@@ -10,7 +10,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "sqla_jobq"
 
 # Top-level modules and subpackages of sqla_jobq, lowest layer first.
 LAYERS: list[tuple[str, set[str]]] = [
-    ("base", {"schema", "db", "logs"}),
+    ("base", {"schema", "db", "logs", "units"}),
     ("values", {"job", "traceparent"}),
     (
         "builders",

@@ -1,5 +1,6 @@
-"""How the findings write numbers: durations, transaction ages, sizes and
-timestamps, short in the text and rounded or ISO 8601 in the data."""
+"""How reports and logs write numbers: durations, transaction ages, sizes and
+timestamps, short in the text and rounded or ISO 8601 in the data (the
+doctor's findings, the worker's index rebuilds)."""
 
 from __future__ import annotations
 
