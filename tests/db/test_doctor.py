@@ -44,6 +44,7 @@ from sqla_jobq.schema import QUEUE_TABLE_SETTINGS, Names, jobs_table, names_of
 from sqla_jobq.statements import NewJob
 from tests.support.cluster import FAST_SETTINGS, Cluster, server_installed, throwaway_cluster
 from tests.support.queues import create_queue_table
+from tests.support.upkeep import snapshot_held
 from tests.support.waiting import wait_until
 
 TABLE_CHECKS = {
@@ -386,14 +387,11 @@ def test_doctor_flags_the_invalid_copy_a_reindex_concurrently_left_and_its_advic
     claim_index = names_of(table).claim_index
     # A snapshot older than the rebuild makes it wait after it has built its
     # copy; the lock timeout then leaves that copy INVALID beside the index.
-    with psycopg.connect(conninfo(database_url)) as older:
-        older.execute(b"BEGIN ISOLATION LEVEL REPEATABLE READ")
-        older.execute(b"SELECT 1")
+    with snapshot_held(database_url):
         raw.execute(b"SET lock_timeout = '300ms'")
         with pytest.raises(psycopg.errors.LockNotAvailable):
             raw.execute(f'REINDEX INDEX CONCURRENTLY "{claim_index}"'.encode())
         raw.execute(b"RESET lock_timeout")
-        older.rollback()
     report = diagnose(engine, table)
     (left,) = [f for f in of_check(report, "index") if f.level == "warn"]
     assert left.subject == f"index {claim_index}_ccnew"

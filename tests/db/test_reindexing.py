@@ -16,13 +16,12 @@ from sqlalchemy import Engine, Table
 from sqlalchemy.dialects import postgresql
 
 from sqla_jobq import client, statements
-from sqla_jobq.db import conninfo
 from sqla_jobq.job import NewJob
 from sqla_jobq.reindex_statements import sparse_indexes
 from sqla_jobq.reindexing import BACKOFF_START, MAX_ENTRIES_PER_PAGE, Reindexer
 from tests.support.inprocess import running
 from tests.support.rows import every_job
-from tests.support.upkeep import dml_role, done, noop_registry
+from tests.support.upkeep import dml_role, done, noop_registry, snapshot_held
 from tests.support.waiting import wait_until, wait_until_async
 
 Raw = psycopg.Connection[Any]
@@ -62,11 +61,8 @@ def vacuum(raw: Raw, table: Table) -> None:
 @pytest.fixture
 def held(database_url: str) -> Iterator[Raw]:
     """Another session holding a REPEATABLE READ snapshot until the test ends it."""
-    with psycopg.connect(conninfo(database_url)) as conn:
-        conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
-        conn.execute("SELECT 1")
+    with snapshot_held(database_url) as conn:
         yield conn
-        conn.rollback()
 
 
 def reindexer(url: str, table: Table, **kwargs: Any) -> Reindexer:
@@ -167,12 +163,18 @@ def leftovers(raw: Raw, table: Table) -> list[str]:
     ]
 
 
-def reindex_waiting(raw: Raw) -> bool:
+def active_reindex(raw: Raw) -> str | None:
+    """What a running REINDEX INDEX CONCURRENTLY waits on ("" for nothing), or
+    None when none is running."""
     row = raw.execute(
-        "SELECT 1 FROM pg_stat_activity WHERE query LIKE 'REINDEX INDEX CONCURRENTLY%' "
-        "AND wait_event_type = 'Lock'"
+        "SELECT coalesce(wait_event_type, '') FROM pg_stat_activity "
+        "WHERE query LIKE 'REINDEX INDEX CONCURRENTLY%' AND state = 'active' LIMIT 1"
     ).fetchone()
-    return row is not None
+    return None if row is None else str(row[0])
+
+
+def reindex_waiting(raw: Raw) -> bool:
+    return active_reindex(raw) == "Lock"
 
 
 def claim_and_complete_one(engine: Engine, table: Table) -> None:
@@ -201,16 +203,13 @@ def test_a_rebuild_behind_an_older_snapshot_blocks_no_claim_gives_up_and_its_lef
     vacuum(raw, table)
     names = set(indexes(raw, table))
     slow = reindexer(database_url, table, lock_timeout_ms=3000)
-    with psycopg.connect(conninfo(database_url)) as older:
-        older.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
-        older.execute("SELECT 1")
+    with snapshot_held(database_url):
         attempt = threading.Thread(target=lambda: rebuild(slow))
         attempt.start()
         wait_until(lambda: reindex_waiting(raw), 10, "the rebuild waiting for the snapshot")
         claim_and_complete_one(engine, table)
         assert reindex_waiting(raw), "the claim should not have waited for the rebuild"
         attempt.join(30)
-        older.rollback()
     assert slow.backoff == BACKOFF_START and not slow.refused
     left = leftovers(raw, table)
     assert left and all(name.endswith("_ccnew") for name in left), left
@@ -239,23 +238,12 @@ def test_a_worker_stopped_mid_rebuild_cancels_it_on_the_server_and_the_next_atte
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
 
-    with psycopg.connect(conninfo(database_url)) as older:
-        older.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
-        older.execute("SELECT 1")
+    with snapshot_held(database_url):
         asyncio.run(stopped_mid_rebuild())
-        wait_until(lambda: not reindexing_anywhere(raw), 10, "the rebuild gone from the server")
-        older.rollback()
+        wait_until(lambda: active_reindex(raw) is None, 10, "the rebuild gone from the server")
     assert leftovers(raw, table)
     rebuild(patient)
     assert set(indexes(raw, table)) == names and not leftovers(raw, table)
-
-
-def reindexing_anywhere(raw: Raw) -> bool:
-    row = raw.execute(
-        "SELECT 1 FROM pg_stat_activity WHERE query LIKE 'REINDEX INDEX CONCURRENTLY%' "
-        "AND state = 'active'"
-    ).fetchone()
-    return row is not None
 
 
 def test_two_workers_rebuilding_at_once_leave_valid_compact_indexes(

@@ -1,6 +1,6 @@
 """What the tests of the worker's table upkeep (vacuuming, reindexing) share:
-a registry of one no-op task, the count of done jobs, and a role that may
-work the queue but does not own its table."""
+a registry of one no-op task, the count of done jobs, a role that may work
+the queue but does not own its table, and another session's held snapshot."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from sqlalchemy import Table
 from sqlalchemy.engine import make_url
 
 from sqla_jobq import Registry
+from sqla_jobq.db import conninfo
 from tests.support.faultqueue import drop_role
 from tests.support.rows import every_job
 
@@ -50,3 +51,14 @@ def dml_role(raw: Raw, database_url: str, table: Table, prefix: str) -> Iterator
         yield make_url(database_url).set(username=role).render_as_string(hide_password=False)
     finally:
         drop_role(raw, role, owned=True)
+
+
+@contextmanager
+def snapshot_held(database_url: str) -> Iterator[Raw]:
+    """Another session holding a REPEATABLE READ snapshot until the block ends
+    (or the caller rolls it back): VACUUM must keep what it may still read."""
+    with psycopg.connect(conninfo(database_url)) as conn:
+        conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        conn.execute("SELECT 1")
+        yield conn
+        conn.rollback()
