@@ -237,7 +237,7 @@ def test_an_idle_worker_archiving_at_once_sweeps_once_after_its_last_jobs_then_s
         jobs = enqueue(engine, table, "noop", 3)
         wait_until(lambda: sorted(rows_of(raw, archive_of(table))) == jobs, 30, "moved")
         wait_until(lambda: archiver.passes == 2, 30, "the sweep after the jobs")
-        time.sleep(0.5)  # the job log's batch, the presence beat: settled
+        run.settle()
         before = archiving_tests.sessions(raw)
         time.sleep(8 * archiving.SWEEP_INTERVAL)
         assert archiving_tests.sessions(raw) == before, "an idle worker touched the database"

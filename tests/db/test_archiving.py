@@ -183,7 +183,7 @@ def test_an_idle_worker_sends_nothing_but_one_pass_after_its_last_jobs(
         jobs = enqueue(engine, table, "noop", 3)
         wait_until(lambda: ids_in(raw, archive_of(table)) == jobs, 30, "the last jobs archived")
         passes = run.worker.archiver.passes
-        time.sleep(0.5)  # the job log's batch, the presence beat: settled
+        run.settle()
         before = sessions(raw)
         time.sleep(2 * after.total_seconds() + 2)
         assert sessions(raw) == before, "an idle worker touched the database"

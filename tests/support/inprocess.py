@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -21,6 +22,8 @@ from sqla_jobq import Registry, current_job
 from sqla_jobq.db import conninfo
 from sqla_jobq.observe import Observer
 from sqla_jobq.worker import Worker, WorkerOptions
+
+from .waiting import wait_until
 
 SIDE_DDL = """CREATE TABLE IF NOT EXISTS "{side}" (
   n        bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
@@ -90,6 +93,14 @@ class Running:
 
     def stop(self) -> None:
         self.call(self.worker.stop)
+
+    def settle(self) -> None:
+        """Wait out what an idle worker still sends after its last jobs: the
+        one claim from the head its cursor makes when a claim was slow (a
+        loaded machine is enough; see `claim_cursor`), then the job log's
+        batch and the presence beat. From here on it should send nothing."""
+        wait_until(lambda: not self.worker.cursor.engaged, 30, "the cursor back at the head")
+        time.sleep(0.5)
 
     def join(self, timeout: float = 60) -> int:
         self.thread.join(timeout)
