@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import queue
-import sys
 import threading
 import time
 from collections import deque
@@ -12,29 +11,12 @@ from collections.abc import Callable
 
 from .capture import Captured, capture
 
-# How long a thread may hold the GIL while another waits for it (Python's
-# default: 5 ms). A handler thread woken while the event loop is busy gets
-# the GIL only when the loop waits on a socket or this interval runs out; the
-# faster the database answers, the less the loop waits, and short handlers sat
-# idle for up to 5 ms at a time. When the fenced completions got 0.7 ms
-# faster, `--burst -c 8` drained no-op jobs 0.82x as fast at 5 ms (16
-# interleaved rounds), and 1.05x as fast as before at 1 ms (16 rounds; at
-# 20 ms, 0.71x). Async handlers, which never wait for the GIL, drained at
-# 1.02x without it.
-SWITCH_INTERVAL = 0.001
-
 # A handler's call, and the future its outcome resolves on the loop.
 HandlerCall = tuple["asyncio.Future[Captured]", Callable[[], object]]
 # A job a thread starts by itself, in the slot its last job freed (see
 # `HandlerThreads.follow`): what the loop calls to hear of it, and the job to
 # run on that thread (None: the loop runs it).
 Follow = tuple[Callable[[], None], HandlerCall | None]
-
-
-def hand_the_gil_over_sooner() -> None:
-    """Set the process's GIL switch interval to SWITCH_INTERVAL: for a process
-    that is a worker (`jobq worker`), not for an app that embeds one."""
-    sys.setswitchinterval(SWITCH_INTERVAL)
 
 
 class HandlerThreads:

@@ -192,6 +192,14 @@ def table(results: dict[str, Any]) -> list[Row]:
             info,
             "(cost of per-job log)",
         )
+        vs(
+            "throughput with startup frozen out of the GC vs not (--no-gc-freeze)",
+            rate["worker 1x8"],
+            rate["worker 1x8 no gc freeze"],
+            "/s",
+            t["ratios"]["worker 1x8 / worker 1x8 no gc freeze"],
+            "(gain of gc.freeze)",
+        )
         w = c["worker 1x8"]["median"]
         p = c["pgbench -c 8 -j 2"]["median"]
         vs(

@@ -69,10 +69,14 @@ class Contender:
     task: str = "noop"
 
 
-def _worker(procs: int, concurrency: int, log_level: str = "WARNING") -> Callable[..., Any]:
+def _worker(
+    procs: int, concurrency: int, log_level: str = "WARNING", *extra: str
+) -> Callable[..., Any]:
     def commands(bench: Bench, tmp: Path) -> list[list[str]]:
         return [
-            common.worker_command(bench, concurrency=concurrency, burst=True, log_level=log_level)
+            common.worker_command(
+                bench, concurrency=concurrency, burst=True, log_level=log_level, extra=extra
+            )
             for _ in range(procs)
         ]
 
@@ -117,6 +121,8 @@ CONTENDERS = [
     Contender("worker 2x4", _worker(2, 4)),
     Contender("worker 1x8 async", _worker(1, 8), task="anoop"),
     Contender("worker 1x8 INFO", _worker(1, 8, "INFO")),
+    # The cost or gain of freezing startup's objects out of the collector.
+    Contender("worker 1x8 no gc freeze", _worker(1, 8, "WARNING", "--no-gc-freeze")),
     Contender("psycopg loop 8 threads", _loop(BATCH)),
     # Not a target: the same loop claiming 40, about what the worker's
     # prefetch makes its claims, to show how much of the gap is batch size.
@@ -178,4 +184,7 @@ def summarize(per: dict[str, list[dict[str, float]]], rounds: int) -> dict[str, 
         out["ratios"][f"{ours} / psycopg loop"] = per_round_ratio(ours, "psycopg loop 8 threads")
         out["ratios"][f"{ours} / pgbench"] = per_round_ratio(ours, "pgbench -c 8 -j 2")
     out["ratios"]["worker 1x8 INFO / worker 1x8"] = per_round_ratio("worker 1x8 INFO", "worker 1x8")
+    out["ratios"]["worker 1x8 / worker 1x8 no gc freeze"] = per_round_ratio(
+        "worker 1x8", "worker 1x8 no gc freeze"
+    )
     return out

@@ -26,8 +26,8 @@ from sqla_jobq import client, statements
 from sqla_jobq.db import conninfo
 from sqla_jobq.job import NewJob
 from sqla_jobq.migrations import check_schema
+from sqla_jobq.process import SWITCH_INTERVAL
 from sqla_jobq.schema import Names, jobs_table
-from sqla_jobq.threads import SWITCH_INTERVAL
 from tests.support import APP_DIR
 from tests.support.processes import JOBQ
 from tests.support.queues import drop_queue_table
@@ -566,12 +566,36 @@ def test_a_worker_process_hands_the_gil_over_every_millisecond(
 ) -> None:
     """`jobq worker` owns its process and shortens the switch interval, so a
     handler thread woken while the event loop is busy starts within 1 ms, not
-    Python's default 5 ms (see `threads.SWITCH_INTERVAL`)."""
+    Python's default 5 ms (see `process.SWITCH_INTERVAL`)."""
     with engine.begin() as conn:
         job_id = client.enqueue(conn, table, "switch_interval", {})
     result = jobq("worker", "workerapp:registry", "--burst")
     assert result.returncode == 0, result.stderr
     assert job(raw, table, job_id)["result"] == SWITCH_INTERVAL == 0.001
+
+
+def test_a_worker_process_spares_its_collector_what_startup_made(
+    jobq: Jobq, engine: Engine, raw: Raw, table: Table
+) -> None:
+    """The app's modules and the worker's own, imported once and kept for the
+    process's life, are frozen out of the cyclic garbage collector: its full
+    collections scan only what the worker made since (see `process`)."""
+    with engine.begin() as conn:
+        job_id = client.enqueue(conn, table, "startup_scanned", {})
+    result = jobq("worker", "workerapp:registry", "--burst")
+    assert result.returncode == 0, result.stderr
+    seen = job(raw, table, job_id)["result"]
+    assert seen["frozen"] > 10_000 and not seen["registry_scanned"]
+
+
+def test_no_gc_freeze_leaves_the_collector_as_python_sets_it(
+    jobq: Jobq, engine: Engine, raw: Raw, table: Table
+) -> None:
+    with engine.begin() as conn:
+        job_id = client.enqueue(conn, table, "startup_scanned", {})
+    result = jobq("worker", "workerapp:registry", "--burst", "--no-gc-freeze")
+    assert result.returncode == 0, result.stderr
+    assert job(raw, table, job_id)["result"] == {"frozen": 0, "registry_scanned": True}
 
 
 def test_worker_at_info_writes_one_prefixed_line_per_finished_job_and_warnings_at_once(

@@ -10,6 +10,7 @@ commit so 10,000 of them stay fast), never from the worker's connections.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import signal
@@ -133,6 +134,16 @@ def boom(message: str) -> None:
 def switch_interval() -> float:
     """What the process's GIL switch interval is while a handler runs."""
     return sys.getswitchinterval()
+
+
+@registry.task(name="startup_scanned")
+def startup_scanned() -> dict[str, int | bool]:
+    """How many objects the process froze, and whether the cyclic garbage
+    collector still scans this module's registry, made at import."""
+    return {
+        "frozen": gc.get_freeze_count(),
+        "registry_scanned": any(o is registry for o in gc.get_objects()),
+    }
 
 
 @registry.task(name="typed")

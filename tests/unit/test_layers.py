@@ -45,6 +45,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "leases",
             "loop_watch",
             "threads",
+            "process",
             "ready",
             "transactions",
             "scheduler",
