@@ -28,8 +28,23 @@ __all__ = [
 # How PostgreSQL names the copies a REINDEX CONCURRENTLY makes (a POSIX regex).
 LEFTOVER_SUFFIX = "_cc(new|old)[0-9]*$"
 
+# No other client session of this database has held a snapshot or a
+# transaction id for `:old_after` seconds. A concurrent build or drop waits
+# for every older transaction (autovacuum's are exempt): while one of those
+# runs, it would only wait out its lock timeout and leave a `_ccnew` copy.
+_NO_OLD_TRANSACTION = """
+  AND NOT EXISTS (SELECT 1 FROM pg_stat_activity a
+                  WHERE a.datname = current_database()
+                    AND a.pid <> pg_backend_pid()
+                    AND a.backend_type = 'client backend'
+                    AND (a.backend_xmin IS NOT NULL OR a.backend_xid IS NOT NULL)
+                    AND a.xact_start < statement_timestamp() - make_interval(secs => :old_after))
+"""
 
-def sparse_indexes(table: Table, min_bytes: int, max_entries_per_page: float) -> TextClause:
+
+def sparse_indexes(
+    table: Table, min_bytes: int, max_entries_per_page: float, old_after: float
+) -> TextClause:
     """The table's valid indexes of at least `min_bytes` holding fewer than
     `max_entries_per_page` entries per page: rows `qualified`, `bytes`,
     `entries`, and the table's own `heap_bytes`, which a rebuild reads twice.
@@ -37,13 +52,17 @@ def sparse_indexes(table: Table, min_bytes: int, max_entries_per_page: float) ->
     Entries and pages both come from `pg_class`, as the last VACUUM or ANALYZE
     of the table left them, so they describe one moment (set against the
     index's current size, the entries would make one that grew since look
-    sparse). Every index of the table counts, a host app's own too. While a
-    snapshot holds dead entries, VACUUM counts them, so an index is never
-    sparse (nor rebuilt, which would wait for that snapshot) during a hold.
-    A freshly built B-tree holds 150 to 400 entries per page here. None while
-    another session builds an index of the table (another worker's rebuild);
-    never an exclusion constraint's, which PostgreSQL cannot rebuild
-    concurrently (a host app may add one).
+    sparse). Every index of the table counts, a host app's own too. A
+    freshly built B-tree holds 150 to 400 entries per page here.
+
+    None while a transaction older than `old_after` seconds runs in the
+    database: VACUUM counts the dead entries a held snapshot keeps, but an
+    ANALYZE (autovacuum's, every minute on a busy queue) counts only the
+    live rows an index covers, so during a hold the indexes look sparse, and
+    the rebuild would wait for that snapshot. None while another session
+    builds an index of the table (another worker's rebuild); never an
+    exclusion constraint's, which PostgreSQL cannot rebuild concurrently (a
+    host app may add one).
     """
     return text(
         """
@@ -60,23 +79,29 @@ WHERE i.indrelid = to_regclass(:qualified)
   AND c.reltuples >= 0
   AND c.reltuples < c.relpages * :max_entries_per_page
   AND NOT EXISTS (SELECT 1 FROM pg_stat_progress_create_index p WHERE p.relid = i.indrelid)
+"""
+        + _NO_OLD_TRANSACTION
+        + """
 ORDER BY pg_relation_size(c.oid) DESC
 """
     ).bindparams(
         qualified=names_of(table).qualified,
         min_bytes=min_bytes,
         max_entries_per_page=max_entries_per_page,
+        old_after=old_after,
     )
 
 
-def leftover_indexes(table: Table) -> TextClause:
+def leftover_indexes(table: Table, old_after: float) -> TextClause:
     """Invalid indexes a failed `REINDEX CONCURRENTLY` left on the table (named
     `<index>_ccnew`, `_ccnew1`, ..., or `_ccold` when only the old copy's drop
     failed) and no build is working on now: rows `qualified`.
 
     Such an index serves no query, yet once it was ready for inserts every
     enqueue, claim and completion keeps updating it. A failed migration's
-    invalid index keeps its own name and is left to `jobq doctor`.
+    invalid index keeps its own name and is left to `jobq doctor`. None
+    while a transaction older than `old_after` seconds runs in the database:
+    the drop would wait for it too.
     """
     return text(
         """
@@ -90,7 +115,8 @@ WHERE i.indrelid = to_regclass(:qualified)
   AND NOT EXISTS (SELECT 1 FROM pg_stat_progress_create_index p
                   WHERE p.index_relid = i.indexrelid OR p.relid = i.indrelid)
 """
-    ).bindparams(qualified=names_of(table).qualified, suffix=LEFTOVER_SUFFIX)
+        + _NO_OLD_TRANSACTION
+    ).bindparams(qualified=names_of(table).qualified, suffix=LEFTOVER_SUFFIX, old_after=old_after)
 
 
 def reindex(qualified_index: str) -> TextClause:

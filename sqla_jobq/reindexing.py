@@ -18,9 +18,12 @@ What it may cost, and the bounds on it:
   the table runs meanwhile, and reads the heap twice. Tables whose heap is
   over `max_heap_bytes` are left to a rebuild by hand at a quiet time.
 - It waits for transactions writing the table as it starts and for snapshots
-  older than its build. `LOCK_TIMEOUT_MS` bounds each wait; a rebuild that
-  gives up leaves an invalid `_ccnew` index, which the next attempt drops
-  first (every write would otherwise keep updating it).
+  older than its build, so none starts while a transaction has been open for
+  `OLD_TRANSACTION_SECONDS` (a held snapshot: then the indexes only look
+  sparse, to an ANALYZE). `LOCK_TIMEOUT_MS` bounds each wait on one that
+  began since; a rebuild that gives up leaves an invalid `_ccnew` index,
+  which the next attempt drops first (every write would otherwise keep
+  updating it).
 - A worker that sees another session building an index of the table leaves
   it be. Two that start at the same moment collide: PostgreSQL ends one with
   a deadlock error, which may leave an invalid `_ccnew` index that the
@@ -58,6 +61,9 @@ DEFAULT_MAX_HEAP_BYTES = 1024 * 1024 * 1024
 # Long enough for in-flight claims and enqueues, short enough that a long
 # reader elsewhere costs a retry, not minutes without VACUUM.
 LOCK_TIMEOUT_MS = 5_000
+# A transaction older than this is not a claim, an enqueue or a completion:
+# while one runs, no rebuild or drop starts (it would wait for it).
+OLD_TRANSACTION_SECONDS = 1.0
 # After a failed attempt, the next waits this long, doubling up to the maximum.
 BACKOFF_START = 60.0
 BACKOFF_MAX = 3600.0
@@ -76,6 +82,7 @@ class Reindexer:
         prepared: bool,
         max_heap_bytes: int = DEFAULT_MAX_HEAP_BYTES,
         lock_timeout_ms: int = LOCK_TIMEOUT_MS,
+        old_transaction_seconds: float = OLD_TRANSACTION_SECONDS,
     ) -> None:
         self.url = conninfo(url)
         self.lock_timeout_ms = lock_timeout_ms
@@ -83,8 +90,9 @@ class Reindexer:
         self.max_heap_bytes = max_heap_bytes
         self.prepared = prepared
         self.qualified = table.fullname
-        self.sparse_sql = compiled(sparse_indexes(table, min_bytes, MAX_ENTRIES_PER_PAGE))
-        self.leftover_sql = compiled(leftover_indexes(table))
+        old = old_transaction_seconds
+        self.sparse_sql = compiled(sparse_indexes(table, min_bytes, MAX_ENTRIES_PER_PAGE, old))
+        self.leftover_sql = compiled(leftover_indexes(table, old))
         self.backoff = 0.0
         self.not_before = float("-inf")
         self.refused = False

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,7 +19,12 @@ from sqlalchemy.dialects import postgresql
 from sqla_jobq import client, statements
 from sqla_jobq.job import NewJob
 from sqla_jobq.reindex_statements import sparse_indexes
-from sqla_jobq.reindexing import BACKOFF_START, MAX_ENTRIES_PER_PAGE, Reindexer
+from sqla_jobq.reindexing import (
+    BACKOFF_START,
+    MAX_ENTRIES_PER_PAGE,
+    OLD_TRANSACTION_SECONDS,
+    Reindexer,
+)
 from tests.support.inprocess import running
 from tests.support.rows import every_job
 from tests.support.upkeep import dml_role, done, noop_registry, snapshot_held
@@ -39,6 +45,18 @@ def indexes(raw: Raw, table: Table) -> dict[str, tuple[int, bool]]:
         (table.name,),
     ).fetchall()
     return {str(name): (int(size), bool(valid)) for name, size, valid in rows}
+
+
+def counted_sparse(raw: Raw, table: Table) -> int:
+    """Indexes whose catalog counts, as the last VACUUM or ANALYZE left
+    them, say fewer than MAX_ENTRIES_PER_PAGE entries a page."""
+    row = raw.execute(
+        "SELECT count(*) FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid "
+        "WHERE i.indrelid = %s::regclass AND c.relpages * 8192 >= %s "
+        "AND c.reltuples >= 0 AND c.reltuples < c.relpages * %s",
+        (table.name, MIN_BYTES, MAX_ENTRIES_PER_PAGE),
+    ).fetchone()
+    return int(row[0]) if row else 0
 
 
 def total_index_bytes(raw: Raw, table: Table) -> int:
@@ -85,11 +103,12 @@ def rebuilt_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
 
 def test_sparse_index_query_reads_as_sql_and_names_the_catalog_counts(table: Table) -> None:
     sql = str(
-        sparse_indexes(table, MIN_BYTES, MAX_ENTRIES_PER_PAGE).compile(
+        sparse_indexes(table, MIN_BYTES, MAX_ENTRIES_PER_PAGE, 1.0).compile(
             dialect=postgresql.dialect()  # type: ignore[no-untyped-call]
         )
     )
     assert "c.reltuples < c.relpages * %(max_entries_per_page)s" in sql
+    assert "a.backend_xmin IS NOT NULL OR a.backend_xid IS NOT NULL" in sql
     assert "i.indisvalid" in sql
 
 
@@ -118,6 +137,30 @@ def test_no_index_is_rebuilt_while_a_snapshot_holds_its_dead_entries(
     assert after.keys() == before.keys() and all(valid for _, valid in after.values())
     assert total_index_bytes(raw, table) < sum(size for size, _ in before.values()) / 4
     assert len(rebuilt_lines(caplog)) >= 3, rebuilt_lines(caplog)
+
+
+def test_an_analyze_during_a_hold_does_not_start_a_rebuild_that_would_wait_for_it(
+    database_url: str,
+    engine: Engine,
+    raw: Raw,
+    table: Table,
+    held: Raw,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """ANALYZE (autovacuum runs one each minute on a busy queue) counts only
+    the live rows an index covers, against its full size: during a hold the
+    indexes look sparse. A rebuild then would wait for the held snapshot
+    until its lock timeout, and leave a copy every write keeps updating."""
+    caplog.set_level(logging.INFO, logger="sqla_jobq.reindex")
+    churn(engine, raw, table)
+    vacuum(raw, table)
+    raw.execute(f'ANALYZE "{table.name}"')
+    assert counted_sparse(raw, table) >= 3, "ANALYZE made them look sparse"
+    time.sleep(OLD_TRANSACTION_SECONDS)  # the hold is older than any claim now
+    before = indexes(raw, table)
+    rebuild(reindexer(database_url, table))
+    assert indexes(raw, table) == before and not rebuilt_lines(caplog)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
 def test_busy_worker_rebuilds_the_indexes_a_held_snapshot_left_mostly_empty(
@@ -202,7 +245,7 @@ def test_a_rebuild_behind_an_older_snapshot_blocks_no_claim_gives_up_and_its_lef
     churn(engine, raw, table)
     vacuum(raw, table)
     names = set(indexes(raw, table))
-    slow = reindexer(database_url, table, lock_timeout_ms=3000)
+    slow = reindexer(database_url, table, lock_timeout_ms=3000, old_transaction_seconds=60)
     with snapshot_held(database_url):
         attempt = threading.Thread(target=lambda: rebuild(slow))
         attempt.start()
@@ -230,7 +273,9 @@ def test_a_worker_stopped_mid_rebuild_cancels_it_on_the_server_and_the_next_atte
     churn(engine, raw, table)
     vacuum(raw, table)
     names = set(indexes(raw, table))
-    patient = reindexer(database_url, table, lock_timeout_ms=60_000)
+    patient = reindexer(
+        database_url, table, lock_timeout_ms=60_000, old_transaction_seconds=60
+    )
 
     async def stopped_mid_rebuild() -> None:
         task = asyncio.create_task(look_and_rebuild(patient))
