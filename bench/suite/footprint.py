@@ -71,9 +71,8 @@ def _round(bench: Bench) -> dict[str, Any]:
                 while time.monotonic() < deadline:
                     # Done jobs move to the archive as they complete (the default).
                     row = conn.execute(
-                        "SELECT count(*) FROM "
-                        + common.with_archive("jobs", common.FINISHED_COLUMNS)
-                        + " WHERE status = 'done'"
+                        f"SELECT count(*) FROM {common.with_archive('jobs', 'status')} "
+                        "WHERE status = 'done'"
                     ).fetchone()
                     done = int(row[0]) if row else 0
                     samples.append((done, common.proc_status(proc.pid, "VmRSS") or 0))

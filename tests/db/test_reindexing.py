@@ -17,6 +17,7 @@ from sqlalchemy import Engine, Table
 from sqlalchemy.dialects import postgresql
 
 from sqla_jobq import client, statements
+from sqla_jobq.db import compiled
 from sqla_jobq.job import NewJob
 from sqla_jobq.reindex_statements import sparse_indexes
 from sqla_jobq.reindexing import (
@@ -49,14 +50,10 @@ def indexes(raw: Raw, table: Table) -> dict[str, tuple[int, bool]]:
 
 def counted_sparse(raw: Raw, table: Table) -> int:
     """Indexes whose catalog counts, as the last VACUUM or ANALYZE left
-    them, say fewer than MAX_ENTRIES_PER_PAGE entries a page."""
-    row = raw.execute(
-        "SELECT count(*) FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid "
-        "WHERE i.indrelid = %s::regclass AND c.relpages * 8192 >= %s "
-        "AND c.reltuples >= 0 AND c.reltuples < c.relpages * %s",
-        (table.name, MIN_BYTES, MAX_ENTRIES_PER_PAGE),
-    ).fetchone()
-    return int(row[0]) if row else 0
+    them, say fewer than MAX_ENTRIES_PER_PAGE entries a page: the worker's
+    own query, with its guard against old transactions set beyond any test."""
+    query = sparse_indexes(table, MIN_BYTES, MAX_ENTRIES_PER_PAGE, old_after=3600)
+    return len(raw.execute(*compiled(query)).fetchall())
 
 
 def total_index_bytes(raw: Raw, table: Table) -> int:
