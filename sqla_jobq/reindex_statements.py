@@ -15,6 +15,7 @@ from __future__ import annotations
 from sqlalchemy import Table, TextClause, text
 
 from .schema import names_of
+from .vacuum_statements import OLD_TRANSACTION
 
 __all__ = [
     "LEFTOVER_SUFFIX",
@@ -32,13 +33,9 @@ LEFTOVER_SUFFIX = "_cc(new|old)[0-9]*$"
 # transaction id for `:old_after` seconds. A concurrent build or drop waits
 # for every older transaction (autovacuum's are exempt): while one of those
 # runs, it would only wait out its lock timeout and leave a `_ccnew` copy.
-_NO_OLD_TRANSACTION = """
+_NO_OLD_TRANSACTION = f"""
   AND NOT EXISTS (SELECT 1 FROM pg_stat_activity a
-                  WHERE a.datname = current_database()
-                    AND a.pid <> pg_backend_pid()
-                    AND a.backend_type = 'client backend'
-                    AND (a.backend_xmin IS NOT NULL OR a.backend_xid IS NOT NULL)
-                    AND a.xact_start < statement_timestamp() - make_interval(secs => :old_after))
+                  WHERE {OLD_TRANSACTION})
 """
 
 

@@ -1,4 +1,5 @@
-"""Pure builders for keeping the queue table vacuumed: its dead tuples, and VACUUM.
+"""Pure builders for keeping the queue table vacuumed: its dead tuples, what
+holds them, and VACUUM.
 
 Workers use them (see `vacuuming`); they are public so an app that runs its
 own upkeep can issue the same statements.
@@ -10,20 +11,45 @@ from sqlalchemy import Table, TextClause, text
 
 from .schema import names_of
 
-__all__ = ["dead_tuples", "vacuum"]
+__all__ = ["OLD_TRANSACTION", "dead_tuples", "vacuum"]
+
+# A `pg_stat_activity a` row of another client session of this database that
+# has held a snapshot or a transaction id for over `:old_after` seconds: what
+# keeps VACUUM from removing every dead tuple younger than it. Standby
+# feedback, replication slots and prepared transactions hold VACUUM back too
+# and are not in it.
+OLD_TRANSACTION = """a.datname = current_database()
+    AND a.pid <> pg_backend_pid()
+    AND a.backend_type = 'client backend'
+    AND (a.backend_xmin IS NOT NULL OR a.backend_xid IS NOT NULL)
+    AND a.xact_start < statement_timestamp() - make_interval(secs => :old_after)"""
 
 
-def dead_tuples(table: Table) -> TextClause:
-    """The table's dead tuples as the statistics system counts them: one row
-    `dead`, or none before the table has statistics.
+def dead_tuples(table: Table, old_after: float) -> TextClause:
+    """The table's dead tuples as the statistics system counts them, and the
+    oldest snapshot holding dead tuples back: one row `dead`, `held_by`, or
+    none before the table has statistics.
 
-    Cheap to read (shared memory, no access to the table) and at most about a
-    second behind. With `track_counts` off it stays empty, so nothing is
-    vacuumed on a guess (`jobq doctor` warns about that setting).
+    The count is cheap to read (shared memory, no access to the table) and at
+    most about a second behind. With `track_counts` off it stays empty, so
+    nothing is vacuumed on a guess (`jobq doctor` warns about that setting).
+
+    `held_by` is the xmin (or xid) of the oldest transaction open for over
+    `old_after` seconds in another session, NULL when there is none. While it
+    stays the same, no dead tuple a VACUUM left behind has become removable:
+    a second VACUUM would read the whole heap again for nothing.
     """
     return text(
-        "SELECT n_dead_tup AS dead FROM pg_stat_user_tables WHERE relid = to_regclass(:qualified)"
-    ).bindparams(qualified=names_of(table).qualified)
+        f"""SELECT s.n_dead_tup AS dead,
+  (SELECT x::text
+     FROM pg_stat_activity a,
+          LATERAL (VALUES (a.backend_xmin), (a.backend_xid)) AS held(x)
+    WHERE x IS NOT NULL AND {OLD_TRANSACTION}
+    ORDER BY age(x) DESC
+    LIMIT 1) AS held_by
+FROM pg_stat_user_tables s
+WHERE s.relid = to_regclass(:qualified)"""
+    ).bindparams(qualified=names_of(table).qualified, old_after=old_after)
 
 
 def vacuum(table: Table) -> TextClause:

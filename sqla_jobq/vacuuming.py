@@ -13,10 +13,16 @@ workers on other hosts, or autovacuum, already vacuuming the table make it
 return at once. This is what PgQ's ticker does for its own tables.
 
 It costs nothing when idle: a worker that has finished no job since its last
-look sends no query. A VACUUM that removes little (a snapshot held somewhere
-keeps the dead tuples needed) makes the next one wait twice as long, up to a
-minute. A role that may not vacuum the table (only its owner may) is told so
-by the server; the worker then logs it once and leaves the table to autovacuum.
+look sends no query. A VACUUM that removes little makes the next one wait
+until what held the dead tuples back has gone: the snapshot of a transaction
+open elsewhere (the oldest, as `pg_stat_activity` shows it), and the worker
+vacuums at its first look after that transaction ends. Each VACUUM in between
+would read the whole heap again, a heap the hold keeps growing, for nothing.
+When no open transaction explains it (a replication slot or a standby's
+feedback holds VACUUM back, which the count's query does not see), the next
+one waits twice as long instead, up to a minute. A role that may not vacuum
+the table (only its owner may) is told so by the server; the worker then logs
+it once and leaves the table to autovacuum.
 After a VACUUM that ran, the same task rebuilds indexes it left mostly empty
 (see `reindexing`).
 """
@@ -32,7 +38,7 @@ import psycopg
 from sqlalchemy import Table
 
 from .db import close_quietly, compiled, connect_kwargs, conninfo
-from .reindexing import Reindexer
+from .reindexing import OLD_TRANSACTION_SECONDS, Reindexer
 from .vacuum_statements import dead_tuples, vacuum
 
 log = logging.getLogger("sqla_jobq.vacuum")
@@ -59,12 +65,14 @@ class Vacuumer:
         self.reindexer = reindexer
         self.threshold = threshold
         self.prepared = prepared
-        self.count_sql = compiled(dead_tuples(table))
+        self.count_sql = compiled(dead_tuples(table, OLD_TRANSACTION_SECONDS))
         self.vacuum_sql = compiled(vacuum(table))[0]
         self.qualified = table.fullname
         self.last_check = float("-inf")
         self.not_before = float("-inf")
         self.backoff = 0.0
+        # The oldest open transaction's xmin when the last VACUUM removed little.
+        self.held_by: str | None = None
         self.refused = False
         self.running: asyncio.Task[None] | None = None
 
@@ -85,8 +93,20 @@ class Vacuumer:
         sql, params = self.count_sql
         rows = await (await conn.execute(sql, params)).fetchall()
         dead = int(str(rows[0]["dead"])) if rows else 0
-        if dead >= self.threshold and now >= self.not_before:
-            self.running = asyncio.create_task(self._vacuum(dead), name="vacuum")
+        held_by = str(rows[0]["held_by"]) if rows and rows[0]["held_by"] is not None else None
+        if dead >= self.threshold and self._may_vacuum(now, held_by):
+            self.running = asyncio.create_task(self._vacuum(dead, held_by), name="vacuum")
+
+    def _may_vacuum(self, now: float, held_by: str | None) -> bool:
+        """Not while the transaction that held the last VACUUM back is open; at
+        once when it has ended, however long the wait had grown."""
+        if self.held_by is not None:
+            if held_by == self.held_by:
+                return False
+            self.held_by = None
+            self.backoff = 0.0
+            return True
+        return now >= self.not_before
 
     async def stop(self) -> None:
         task = self.running
@@ -94,7 +114,7 @@ class Vacuumer:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
 
-    async def _vacuum(self, before: int) -> None:
+    async def _vacuum(self, before: int, held_by: str | None) -> None:
         started = time.monotonic()
         notices: list[str] = []
         conn: psycopg.AsyncConnection[tuple[Any, ...]] | None = None
@@ -106,7 +126,7 @@ class Vacuumer:
             await conn.execute(self.vacuum_sql)
             rows = await (await conn.execute(*self.count_sql)).fetchall()
             after = int(str(rows[0][0])) if rows else 0
-            if self._judge(before, after, notices, started) and self.reindexer is not None:
+            if self._judge(before, after, notices, started, held_by) and self.reindexer is not None:
                 await self.reindexer.run(conn)
         except psycopg.Error as exc:
             log.warning("could not vacuum %s: %s", self.qualified, exc)
@@ -114,7 +134,9 @@ class Vacuumer:
         finally:
             await close_quietly(conn, log)
 
-    def _judge(self, before: int, after: int, notices: list[str], started: float) -> bool:
+    def _judge(
+        self, before: int, after: int, notices: list[str], started: float, held_by: str | None
+    ) -> bool:
         """Log the outcome and set the next wait; False when no VACUUM ran."""
         took = time.monotonic() - started
         if any("only table or database owner" in n or "permission" in n for n in notices):
@@ -128,8 +150,9 @@ class Vacuumer:
         if any("lock not available" in n for n in notices):
             log.debug("vacuum of %s skipped: another vacuum holds it", self.qualified)
             return False
-        removed = before - after
-        if removed * 2 < before:
+        little = (before - after) * 2 < before
+        self.held_by = held_by if little else None
+        if little and self.held_by is None:
             self.backoff = min(max(self.backoff * 2, BACKOFF_START), BACKOFF_MAX)
         else:
             self.backoff = 0.0
@@ -140,8 +163,16 @@ class Vacuumer:
             took,
             before,
             after,
-            f"; a snapshot holds them? next vacuum in {self.backoff:.0f}s at the earliest"
-            if self.backoff
-            else "",
+            self._next(),
         )
         return True
+
+    def _next(self) -> str:
+        if self.held_by is not None:
+            return (
+                f"; a transaction open elsewhere (xmin {self.held_by}) holds them: "
+                "next vacuum once it ends"
+            )
+        if self.backoff:
+            return f"; a snapshot holds them? next vacuum in {self.backoff:.0f}s at the earliest"
+        return ""

@@ -11,6 +11,7 @@ import logging
 import re
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import psycopg
@@ -19,8 +20,10 @@ from psycopg.rows import dict_row
 from sqlalchemy import Engine, Table
 
 from sqla_jobq import client
-from sqla_jobq.db import conninfo
+from sqla_jobq.db import compiled, conninfo
 from sqla_jobq.job import NewJob
+from sqla_jobq.reindexing import OLD_TRANSACTION_SECONDS
+from sqla_jobq.vacuum_statements import dead_tuples
 from sqla_jobq.vacuuming import BACKOFF_START, Vacuumer
 from tests.support.inprocess import running
 from tests.support.upkeep import dml_role, done, noop_registry
@@ -153,9 +156,92 @@ def test_a_vacuum_that_removes_little_makes_the_next_wait_longer(table: Table) -
     started = time.monotonic()
     waits = []
     for _ in range(3):
-        vacuumer._judge(before=10_000, after=9_000, notices=[], started=started)
+        vacuumer._judge(before=10_000, after=9_000, notices=[], started=started, held_by=None)
         waits.append(vacuumer.backoff)
     assert waits == [BACKOFF_START, BACKOFF_START * 2, BACKOFF_START * 4]
     assert vacuumer.not_before > time.monotonic()
-    vacuumer._judge(before=10_000, after=100, notices=[], started=started)
+    vacuumer._judge(before=10_000, after=100, notices=[], started=started, held_by=None)
     assert vacuumer.backoff == 0.0
+
+
+def held_by(raw: Raw, table: Table) -> str | None:
+    sql, params = compiled(dead_tuples(table, OLD_TRANSACTION_SECONDS))
+    row = raw.execute(sql, params).fetchone()
+    assert row is not None
+    return None if row[1] is None else str(row[1])
+
+
+def churn(engine: Engine, table: Table, count: int) -> None:
+    """`count` jobs in and out again, committed: dead tuples, and xids assigned."""
+    enqueue(engine, table, count)
+    with engine.begin() as conn:
+        conn.exec_driver_sql(f'DELETE FROM "{table.name}"')
+
+
+@contextmanager
+def held_snapshot(database_url: str, table: Table) -> Iterator[psycopg.Connection[Any]]:
+    """Another session's REPEATABLE READ snapshot, open for over a second."""
+    with psycopg.connect(conninfo(database_url)) as holder:
+        holder.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        holder.execute(f'SELECT count(*) FROM "{table.name}"').fetchall()
+        time.sleep(OLD_TRANSACTION_SECONDS + 0.1)
+        yield holder
+
+
+def test_the_count_names_a_snapshot_held_elsewhere_for_over_a_second_until_it_ends(
+    database_url: str, engine: Engine, raw: Raw, table: Table
+) -> None:
+    churn(engine, table, 10)
+    assert held_by(raw, table) is None
+    with held_snapshot(database_url, table) as holder:
+        (xmin,) = holder.execute(
+            "SELECT backend_xmin::text FROM pg_stat_activity WHERE pid = pg_backend_pid()"
+        ).fetchall()[0]
+        assert held_by(raw, table) == xmin
+        churn(engine, table, 10)
+        assert held_by(raw, table) == xmin
+        holder.commit()
+        assert held_by(raw, table) is None
+
+
+async def vacuum_when_due(vacuumer: Vacuumer, url: str, seconds: float) -> bool:
+    """Look at the count (the statistics may lag by a second) until a VACUUM
+    starts, then wait for it; False if none started within `seconds`."""
+    async with await psycopg.AsyncConnection.connect(
+        conninfo(url), autocommit=True, row_factory=dict_row
+    ) as conn:
+        deadline = time.monotonic() + seconds
+        before = vacuumer.running
+        while vacuumer.running is before and time.monotonic() < deadline:
+            vacuumer.last_check = float("-inf")
+            await vacuumer.check(conn)
+            await asyncio.sleep(0.2)
+        if vacuumer.running is before or vacuumer.running is None:
+            return False
+        await vacuumer.running
+        return True
+
+
+def test_while_a_snapshot_holds_the_dead_tuples_no_second_vacuum_runs_until_it_ends(
+    database_url: str, engine: Engine, raw: Raw, table: Table
+) -> None:
+    """Each futile VACUUM reads the whole heap the hold keeps growing (800 MB
+    after a 3-minute hold in the held-snapshot scene); once the snapshot
+    ends, the next look vacuums, however long the wait had grown."""
+    vacuumer = Vacuumer(database_url, table, threshold=500, prepared=True)
+    with held_snapshot(database_url, table) as holder:
+        churn(engine, table, 1000)
+        assert asyncio.run(vacuum_when_due(vacuumer, database_url, 15)), "no first vacuum"
+        assert vacuums(raw, table) == 1
+        churn(engine, table, 1000)
+        vacuumer.not_before = float("-inf")  # whatever the wait, the hold decides
+        assert not asyncio.run(vacuum_when_due(vacuumer, database_url, 3))
+        assert vacuums(raw, table) == 1
+        holder.commit()
+    vacuumer.not_before = float("inf")
+    assert asyncio.run(vacuum_when_due(vacuumer, database_url, 15)), "no vacuum after the release"
+    wait_until(lambda: vacuums(raw, table) == 2, 10, "the second vacuum counted")
+    dead = raw.execute(
+        "SELECT n_dead_tup FROM pg_stat_user_tables WHERE relid = %s::regclass", (table.name,)
+    ).fetchone()
+    assert dead is not None and dead[0] < 500
