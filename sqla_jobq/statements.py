@@ -648,10 +648,19 @@ def _at_slot(
 
 
 def _owned(table: Table, jobs: Sequence[tuple[int, int]]) -> tuple[ColumnElement[bool], ...]:
-    """`id = ANY(ids) AND attempts = attempts[array_position(ids, id)]`: the
-    rows of these exact pairs, with no join. `id = ANY` is an index condition
-    on the primary key, and each row found checks its own attempt at its id's
-    position in the batch (see `newest_first`).
+    """`id = ANY(ARRAY(SELECT unnest(ids))) AND attempts =
+    attempts[array_position(ids, id)]`: the rows of these exact pairs, with
+    no join. `id = ANY` is an index condition on the primary key, and each
+    row found checks its own attempt at its id's position in the batch (see
+    `newest_first`).
+
+    The ids reach the planner as the result of a subquery, whose length it
+    cannot see and takes for 10, as in `_id_in`. As a literal array of a
+    few hundred ids, after an ANALYZE during a held snapshot (which counts
+    the live rows and none of the versions the hold keeps, so each lookup
+    looks like dozens of pages) a batch cost more than a Seq Scan of the
+    whole bloated heap, which every completion then ran (held-snapshot
+    scene, docs/benchmarks.md).
 
     A join to the unnested pairs let the planner choose how to reach the rows.
     Unprepared, with statistics taken while no job ran, it scanned the whole
@@ -663,7 +672,8 @@ def _owned(table: Table, jobs: Sequence[tuple[int, int]]) -> tuple[ColumnElement
     jobs, _ = newest_first(jobs)
     attempts = bindparam("attempts", [j[1] for j in jobs], type_=ARRAY(Integer))
     current = _at_slot(table.c.id, jobs, attempts)
-    return (table.c.id == any_(_ids(jobs)), table.c.attempts == current)
+    unseen = func.array(select(func.unnest(_ids(jobs))).scalar_subquery(), type_=ARRAY(BigInteger))
+    return (table.c.id == any_(unseen), table.c.attempts == current)
 
 
 def _fence_many(table: Table, jobs: Sequence[tuple[int, int]]) -> tuple[ColumnElement[bool], ...]:

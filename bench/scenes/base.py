@@ -379,6 +379,34 @@ class Bucket:
     archived: int = 0  # jobs moved to the archive by batches that began in the bucket
 
 
+# Over a set of jobs: how many, and their pickup latency's p50 and p99 in ms
+# (a job not yet started counts as started at the scene's end, `%(end)s`).
+_PICKUP_PERCENTILES = """count(*),
+    1000 * percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(
+        epoch FROM coalesce(started_at, to_timestamp(%(end)s)) - created_at)),
+    1000 * percentile_cont(0.99) WITHIN GROUP (ORDER BY extract(
+        epoch FROM coalesce(started_at, to_timestamp(%(end)s)) - created_at))"""
+
+
+def span_pickup(
+    conn: psycopg.Connection[Any], epoch0: float, start: float, end: float, seconds: float
+) -> dict[str, float]:
+    """Pickup latency of every job created from `start` to `end` s of the scene's
+    clock, as one set: its p99 is that of all those pickups, where a median
+    or a maximum of 10 s buckets' p99s follows a few slow seconds."""
+    row = conn.execute(
+        "SELECT "
+        + _PICKUP_PERCENTILES
+        + " FROM "
+        + common.with_archive("jobs", common.FINISHED_COLUMNS)
+        + " WHERE created_at >= to_timestamp(%(s)s) AND created_at < to_timestamp(%(u)s)",
+        {"s": epoch0 + start, "u": epoch0 + end, "end": epoch0 + seconds},
+    ).fetchone()
+    n, p50, p99 = row if row else (0, None, None)
+    nan = float("nan")
+    return {"jobs": int(n), "p50_ms": float(p50 or nan), "p99_ms": float(p99 or nan)}
+
+
 def buckets(
     conn: psycopg.Connection[Any], epoch0: float, seconds: float, every: float = SAMPLE_SECONDS
 ) -> list[Bucket]:
@@ -387,16 +415,11 @@ def buckets(
         int(b): (int(n), float(p50 or 0), float(p99 or 0), int(u))
         for b, n, p50, p99, u in conn.execute(
             """
-            SELECT floor((extract(epoch FROM created_at) - %(e)s) / %(w)s) AS b, count(*),
-                   1000 * percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(
-                       epoch FROM coalesce(started_at, to_timestamp(%(end)s)) - created_at)),
-                   1000 * percentile_cont(0.99) WITHIN GROUP (ORDER BY extract(
-                       epoch FROM coalesce(started_at, to_timestamp(%(end)s)) - created_at)),
-                   count(*) FILTER (WHERE started_at IS NULL)
-            FROM """
+            SELECT floor((extract(epoch FROM created_at) - %(e)s) / %(w)s) AS b, """
+            + _PICKUP_PERCENTILES
+            + ", count(*) FILTER (WHERE started_at IS NULL) FROM "
             + common.with_archive("jobs", common.FINISHED_COLUMNS)
-            + """ WHERE created_at >= to_timestamp(%(e)s) GROUP BY 1
-            """,
+            + " WHERE created_at >= to_timestamp(%(e)s) GROUP BY 1",
             {"e": epoch0, "w": every, "end": epoch0 + seconds},
         ).fetchall()
     }

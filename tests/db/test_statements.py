@@ -884,6 +884,65 @@ def test_fenced_batches_find_their_rows_by_primary_key_when_statistics_saw_no_ru
         conn.rollback()
 
 
+def test_fenced_batches_find_their_rows_by_primary_key_after_an_analyze_during_a_hold(
+    engine: Engine, table: Table
+) -> None:
+    """While a snapshot is held, ANALYZE (autovacuum's, every minute on a busy
+    queue) counts only the live rows, while every row version the hold keeps
+    stays in the heap and the primary key: the planner then prices each id's
+    lookup at dozens of pages. For a batch of ids given as a literal array
+    (a custom plan, as every plan is after such an ANALYZE invalidated the
+    prepared ones) it chose a Seq Scan of the whole bloated heap: in the
+    held-snapshot scene every completion did, the finisher's session took a
+    whole core, and completions fell to 28% of the offered load for 50 s.
+    However many ids a batch holds, the planner must see too few to make
+    that scan look cheaper."""
+    name = table.name
+    batch = 1000
+    with autocommit(engine) as conn, engine.connect() as holder:
+        holder.execution_options(isolation_level="REPEATABLE READ")
+        holder.exec_driver_sql(f'SELECT count(*) FROM "{name}"').scalar_one()
+        for _ in range(10):  # 100,000 jobs run and gone: three versions each, all kept
+            conn.exec_driver_sql(
+                f'INSERT INTO "{name}" (payload) SELECT \'{{}}\' FROM generate_series(1, 10000)'
+            )
+            conn.exec_driver_sql(
+                f"UPDATE \"{name}\" SET status = 'running', attempts = 1, "
+                "locked_until = now() + interval '5 minutes' WHERE status = 'queued'"
+            )
+            conn.exec_driver_sql(f'DELETE FROM "{name}"')
+        conn.exec_driver_sql(
+            f'INSERT INTO "{name}" (payload) SELECT \'{{}}\' FROM generate_series(1, {batch})'
+        )
+        running = conn.exec_driver_sql(
+            f"UPDATE \"{name}\" SET status = 'running', attempts = 1, "
+            "locked_until = now() + interval '5 minutes' RETURNING id"
+        ).scalars().all()
+        conn.exec_driver_sql(f'ANALYZE "{name}"')
+        holder.rollback()
+    pairs = [(job_id, 1) for job_id in running]
+    fenced = {
+        "complete_many": statements.complete_many(table, pairs),
+        "complete_many skipping locked": statements.complete_many(table, pairs, skip_locked=True),
+        "complete_to_archive": statements.complete_to_archive(table, pairs),
+        "complete_to_archive skipping locked": statements.complete_to_archive(
+            table, pairs, skip_locked=True
+        ),
+        "extend_leases": statements.extend_leases(table, pairs, timedelta(minutes=5)),
+        "release_many": statements.release_many(table, pairs, refund=True),
+        "fates": statements.fates(table, pairs),
+    }
+    with engine.connect() as conn:
+        for what, stmt in fenced.items():
+            compiled = stmt.compile(dialect=postgresql.psycopg.dialect())
+            plan = "\n".join(
+                conn.exec_driver_sql(f"EXPLAIN (COSTS OFF) {compiled}", compiled.params).scalars()
+            )
+            assert "Seq Scan" not in plan, (what, plan)
+            assert f"{name}_pkey" in plan, (what, plan)
+        conn.rollback()
+
+
 def test_claim_after_a_position_never_sorts_the_backlog_when_statistics_saw_a_short_queue(
     engine: Engine, table: Table
 ) -> None:
