@@ -7,7 +7,7 @@ update is HOT), and autovacuum visits a database at most once per
 cannot change). At thousands of jobs a second that is hundreds of thousands of
 dead tuples between two visits, which every claim then steps over. So a busy
 worker reads the table's dead-tuple count (from the statistics system, not the
-table) every few seconds and, past `threshold`, runs `VACUUM (SKIP_LOCKED)` on
+table) every few seconds and, past `threshold`, runs `VACUUM (SKIP_LOCKED, PARALLEL 0)` on
 a connection of its own, in the background: claims go on meanwhile, and
 workers on other hosts, or autovacuum, already vacuuming the table make it
 return at once. This is what PgQ's ticker does for its own tables.
