@@ -18,7 +18,10 @@ Every 10 s it samples `pg_stat_user_tables` (live and dead tuples, autovacuum
 runs), the jobs table's heap and index sizes and the backlog; at the end it
 reads back from the rows, per 10-second bucket, what was offered (`created_at`),
 what was completed (`finished_at`), and the pickup latency (`started_at -
-created_at`: the server's enqueue-to-claim time) p50 and p99.
+created_at`: the server's enqueue-to-claim time) p50 and p99, and the same
+over each phase's jobs as one set: the clean minute, the hold, and from 2
+minutes after the release to the end (a bucket's p99 follows a few slow
+seconds; the set's, every pickup of the phase).
 
 `--minutes` scales every phase (0.1 for a smoke run of about 40 s).
 """
