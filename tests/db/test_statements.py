@@ -837,6 +837,33 @@ def _literal(value: Any) -> str:
     return str(value)
 
 
+def fenced_batches(table: Table, pairs: list[tuple[int, int]]) -> dict[str, Any]:
+    """Every fenced batch statement a worker runs, for these pairs."""
+    return {
+        "complete_many": statements.complete_many(table, pairs),
+        "complete_many with results": statements.complete_many(table, pairs, [None] * len(pairs)),
+        "complete_many skipping locked": statements.complete_many(table, pairs, skip_locked=True),
+        "complete_to_archive": statements.complete_to_archive(table, pairs),
+        "complete_to_archive skipping locked": statements.complete_to_archive(
+            table, pairs, skip_locked=True
+        ),
+        "extend_leases": statements.extend_leases(table, pairs, timedelta(minutes=5)),
+        "release_many": statements.release_many(table, pairs, refund=True),
+        "fates": statements.fates(table, pairs),
+    }
+
+
+def custom_plans(engine: Engine, stmts: dict[str, Any]) -> Iterator[tuple[str, str]]:
+    """Each statement's plan for its own values: unprepared, as a worker
+    behind PgBouncer runs it, or as a prepared one is after an ANALYZE."""
+    with engine.connect() as conn:
+        for what, stmt in stmts.items():
+            compiled = stmt.compile(dialect=postgresql.psycopg.dialect())
+            plan = conn.exec_driver_sql(f"EXPLAIN (COSTS OFF) {compiled}", compiled.params)
+            yield what, "\n".join(plan.scalars())
+        conn.rollback()
+
+
 def test_fenced_batches_find_their_rows_by_primary_key_when_statistics_saw_no_running_job(
     engine: Engine, table: Table
 ) -> None:
@@ -860,28 +887,10 @@ def test_fenced_batches_find_their_rows_by_primary_key_when_statistics_saw_no_ru
             f"WHERE id IN (SELECT id FROM \"{name}\" LIMIT 200) RETURNING id"
         ).scalars().all()
     pairs = [(job_id, 1) for job_id in running]
-    fenced = {
-        "complete_many": statements.complete_many(table, pairs),
-        "complete_many with results": statements.complete_many(table, pairs, [None] * 200),
-        "complete_many skipping locked": statements.complete_many(table, pairs, skip_locked=True),
-        "complete_to_archive": statements.complete_to_archive(table, pairs),
-        "complete_to_archive skipping locked": statements.complete_to_archive(
-            table, pairs, skip_locked=True
-        ),
-        "extend_leases": statements.extend_leases(table, pairs, timedelta(minutes=5)),
-        "release_many": statements.release_many(table, pairs, refund=True),
-        "fates": statements.fates(table, pairs),
-    }
-    with engine.connect() as conn:
-        for what, stmt in fenced.items():
-            compiled = stmt.compile(dialect=postgresql.psycopg.dialect())
-            plan = "\n".join(
-                conn.exec_driver_sql(f"EXPLAIN (COSTS OFF) {compiled}", compiled.params).scalars()
-            )
-            assert "Seq Scan" not in plan, (what, plan)
-            assert f"{name}_pkey" in plan, (what, plan)
-            assert "Nested Loop" not in plan and "Function Scan" not in plan, (what, plan)
-        conn.rollback()
+    for what, plan in custom_plans(engine, fenced_batches(table, pairs)):
+        assert "Seq Scan" not in plan, (what, plan)
+        assert f"{name}_pkey" in plan, (what, plan)
+        assert "Nested Loop" not in plan and "Function Scan" not in plan, (what, plan)
 
 
 def test_fenced_batches_find_their_rows_by_primary_key_after_an_analyze_during_a_hold(
@@ -921,26 +930,9 @@ def test_fenced_batches_find_their_rows_by_primary_key_after_an_analyze_during_a
         conn.exec_driver_sql(f'ANALYZE "{name}"')
         holder.rollback()
     pairs = [(job_id, 1) for job_id in running]
-    fenced = {
-        "complete_many": statements.complete_many(table, pairs),
-        "complete_many skipping locked": statements.complete_many(table, pairs, skip_locked=True),
-        "complete_to_archive": statements.complete_to_archive(table, pairs),
-        "complete_to_archive skipping locked": statements.complete_to_archive(
-            table, pairs, skip_locked=True
-        ),
-        "extend_leases": statements.extend_leases(table, pairs, timedelta(minutes=5)),
-        "release_many": statements.release_many(table, pairs, refund=True),
-        "fates": statements.fates(table, pairs),
-    }
-    with engine.connect() as conn:
-        for what, stmt in fenced.items():
-            compiled = stmt.compile(dialect=postgresql.psycopg.dialect())
-            plan = "\n".join(
-                conn.exec_driver_sql(f"EXPLAIN (COSTS OFF) {compiled}", compiled.params).scalars()
-            )
-            assert "Seq Scan" not in plan, (what, plan)
-            assert f"{name}_pkey" in plan, (what, plan)
-        conn.rollback()
+    for what, plan in custom_plans(engine, fenced_batches(table, pairs)):
+        assert "Seq Scan" not in plan, (what, plan)
+        assert f"{name}_pkey" in plan, (what, plan)
 
 
 def test_claim_after_a_position_never_sorts_the_backlog_when_statistics_saw_a_short_queue(
