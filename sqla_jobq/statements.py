@@ -655,7 +655,7 @@ def _owned(table: Table, jobs: Sequence[tuple[int, int]]) -> tuple[ColumnElement
     `newest_first`).
 
     The ids reach the planner as the result of a subquery, whose length it
-    cannot see and takes for 10, as in `_id_in`. As a literal array of a
+    cannot see and takes for 10 (`_id_among`). As a literal array of a
     few hundred ids, after an ANALYZE during a held snapshot (which counts
     the live rows and none of the versions the hold keeps, so each lookup
     looks like dozens of pages) a batch cost more than a Seq Scan of the
@@ -672,8 +672,7 @@ def _owned(table: Table, jobs: Sequence[tuple[int, int]]) -> tuple[ColumnElement
     jobs, _ = newest_first(jobs)
     attempts = bindparam("attempts", [j[1] for j in jobs], type_=ARRAY(Integer))
     current = _at_slot(table.c.id, jobs, attempts)
-    unseen = func.array(select(func.unnest(_ids(jobs))).scalar_subquery(), type_=ARRAY(BigInteger))
-    return (table.c.id == any_(unseen), table.c.attempts == current)
+    return (_id_among(table.c.id, select(func.unnest(_ids(jobs)))), table.c.attempts == current)
 
 
 def _fence_many(table: Table, jobs: Sequence[tuple[int, int]]) -> tuple[ColumnElement[bool], ...]:
@@ -709,8 +708,7 @@ def _lockable(table: Table, jobs: Sequence[tuple[int, int]]) -> ColumnElement[bo
 def _id_in(table: Table, locked: Any) -> ColumnElement[bool]:
     """`id = ANY(ARRAY(SELECT id FROM locked))`: primary-key lookups whatever
     row count a generic plan guesses for the CTE (see `claim`)."""
-    ids = func.array(select(locked.c.id).scalar_subquery(), type_=ARRAY(BigInteger))
-    return table.c.id == any_(ids)
+    return _id_among(table.c.id, select(locked.c.id))
 
 
 def complete_many(

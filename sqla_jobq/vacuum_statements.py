@@ -11,7 +11,7 @@ from sqlalchemy import Table, TextClause, text
 
 from .schema import names_of
 
-__all__ = ["OLD_TRANSACTION", "dead_tuples", "vacuum"]
+__all__ = ["dead_tuples", "vacuum"]
 
 # A `pg_stat_activity a` row of another client session of this database that
 # has held a snapshot or a transaction id for over `:old_after` seconds: what

@@ -7,10 +7,10 @@ update is HOT), and autovacuum visits a database at most once per
 cannot change). At thousands of jobs a second that is hundreds of thousands of
 dead tuples between two visits, which every claim then steps over. So a busy
 worker reads the table's dead-tuple count (from the statistics system, not the
-table) every few seconds and, past `threshold`, runs `VACUUM (SKIP_LOCKED, PARALLEL 0)` on
-a connection of its own, in the background: claims go on meanwhile, and
-workers on other hosts, or autovacuum, already vacuuming the table make it
-return at once. This is what PgQ's ticker does for its own tables.
+table) every few seconds and, past `threshold`, runs `VACUUM (SKIP_LOCKED,
+PARALLEL 0)` on a connection of its own, in the background: claims go on
+meanwhile, and workers on other hosts, or autovacuum, already vacuuming the
+table make it return at once. This is what PgQ's ticker does for its own tables.
 
 It costs nothing when idle: a worker that has finished no job since its last
 look sends no query. A VACUUM that removes little makes the next one wait
@@ -103,8 +103,7 @@ class Vacuumer:
         if self.held_by is not None:
             if held_by == self.held_by:
                 return False
-            self.held_by = None
-            self.backoff = 0.0
+            self.held_by = None  # an error or a skip now waits as any other
             return True
         return now >= self.not_before
 

@@ -113,6 +113,24 @@ def test_vacuum_never_waits_behind_another_session_holding_the_table(
             wait_until(lambda: vacuums(raw, table) >= 1, 30, "a vacuum")
 
 
+async def vacuum_when_due(vacuumer: Vacuumer, url: str, seconds: float) -> bool:
+    """Look at the count (the statistics may lag by a second) until a VACUUM
+    starts, then wait for it; False if none started within `seconds`."""
+    async with await psycopg.AsyncConnection.connect(
+        conninfo(url), autocommit=True, row_factory=dict_row
+    ) as conn:
+        deadline = time.monotonic() + seconds
+        before = vacuumer.running
+        while vacuumer.running is before and time.monotonic() < deadline:
+            vacuumer.last_check = float("-inf")
+            await vacuumer.check(conn)
+            await asyncio.sleep(0.2)
+        if vacuumer.running is before or vacuumer.running is None:
+            return False
+        await vacuumer.running
+        return True
+
+
 @pytest.fixture
 def role_url(database_url: str, raw: Raw, table: Table) -> Iterator[str]:
     """A login role with DML on the queue table: it may work the queue, not vacuum it."""
@@ -128,21 +146,8 @@ def test_a_role_that_may_not_vacuum_is_told_once_and_stops_trying(
     with engine.begin() as conn:
         conn.exec_driver_sql(f'DELETE FROM "{table.name}"')
 
-    async def look() -> Vacuumer:
-        vacuumer = Vacuumer(role_url, table, threshold=1, prepared=True)
-        async with await psycopg.AsyncConnection.connect(
-            conninfo(role_url), autocommit=True, row_factory=dict_row
-        ) as conn:
-            deadline = time.monotonic() + 15
-            while vacuumer.running is None and time.monotonic() < deadline:
-                vacuumer.last_check = float("-inf")
-                await vacuumer.check(conn)  # statistics may lag by a second
-                await asyncio.sleep(0.2)
-            assert vacuumer.running is not None, "the dead tuples never showed"
-            await vacuumer.running
-        return vacuumer
-
-    vacuumer = asyncio.run(look())
+    vacuumer = Vacuumer(role_url, table, threshold=1, prepared=True)
+    assert asyncio.run(vacuum_when_due(vacuumer, role_url, 15)), "the dead tuples never showed"
     assert vacuumer.refused and not vacuumer.enabled
     assert not vacuumer.due(time.monotonic() + 3600)
     told = [r.getMessage() for r in caplog.records if "not vacuuming" in r.getMessage()]
@@ -202,24 +207,6 @@ def test_the_count_names_a_snapshot_held_elsewhere_for_over_a_second_until_it_en
         assert held_by(raw, table) == xmin
         holder.commit()
         assert held_by(raw, table) is None
-
-
-async def vacuum_when_due(vacuumer: Vacuumer, url: str, seconds: float) -> bool:
-    """Look at the count (the statistics may lag by a second) until a VACUUM
-    starts, then wait for it; False if none started within `seconds`."""
-    async with await psycopg.AsyncConnection.connect(
-        conninfo(url), autocommit=True, row_factory=dict_row
-    ) as conn:
-        deadline = time.monotonic() + seconds
-        before = vacuumer.running
-        while vacuumer.running is before and time.monotonic() < deadline:
-            vacuumer.last_check = float("-inf")
-            await vacuumer.check(conn)
-            await asyncio.sleep(0.2)
-        if vacuumer.running is before or vacuumer.running is None:
-            return False
-        await vacuumer.running
-        return True
 
 
 def test_while_a_snapshot_holds_the_dead_tuples_no_second_vacuum_runs_until_it_ends(
