@@ -54,6 +54,15 @@ IDLE_IN_TRANSACTION_TIMEOUT_MS = 60_000
 # heartbeats, hand-backs and the reaper skip locked rows; outcomes wait this
 # long (claimers hold a row they pass for a moment), then go round the row.
 LOCK_TIMEOUT_MS = 200
+# A worker session that writes pages out of shared buffers (its VACUUM of a
+# heap a held snapshot grew, claims evicting pages of a heap larger than
+# shared_buffers) asks the kernel to write them back every this much, instead
+# of leaving them dirty in the page cache (PostgreSQL's default is 0, never)
+# until the next checkpoint's fsync writes them all at once while commits
+# wait for the same disk. In the held-snapshot scene the checkpoints after the
+# release synced 0.38 and 0.44 s, with the slowest seconds inside them; with
+# this, at most 0.05 s (docs/benchmarks.md, twenty-third round).
+BACKEND_FLUSH_AFTER = "256kB"
 
 
 # Every worker connection that fails is retried after this, doubling up to
@@ -81,7 +90,8 @@ def connect_kwargs(prepared: bool, lock_timeout_ms: int = LOCK_TIMEOUT_MS) -> di
     """psycopg connection options shared by every worker session."""
     options = (
         f"-c idle_in_transaction_session_timeout={IDLE_IN_TRANSACTION_TIMEOUT_MS} "
-        f"-c lock_timeout={lock_timeout_ms}"
+        f"-c lock_timeout={lock_timeout_ms} "
+        f"-c backend_flush_after={BACKEND_FLUSH_AFTER}"
     )
     return {
         "autocommit": True,

@@ -385,11 +385,15 @@ def test_no_worker_session_is_idle_in_transaction_while_a_job_runs(
     wait_status(raw, table, job_id, "done")
 
 
-def test_worker_sessions_set_an_idle_in_transaction_timeout(database_url: str) -> None:
+def test_worker_sessions_set_an_idle_in_transaction_timeout_and_write_back_early(
+    database_url: str,
+) -> None:
     with psycopg.connect(conninfo(database_url), **connect_kwargs(True)) as conn:
         setting = conn.execute("SHOW idle_in_transaction_session_timeout").fetchone()
+        flush = conn.execute("SHOW backend_flush_after").fetchone()
         name = conn.execute("SHOW application_name").fetchone()
     assert setting == ("1min",)
+    assert flush == ("256kB",)
     assert name is not None and str(name[0]).startswith("jobq worker ")
     assert str(name[0]).endswith(f":{os.getpid()}")
 
