@@ -61,7 +61,9 @@ LOCK_TIMEOUT_MS = 200
 # until the next checkpoint's fsync writes them all at once while commits
 # wait for the same disk. In the held-snapshot scene the checkpoints after the
 # release synced 0.38 and 0.44 s, with the slowest seconds inside them; with
-# this, at most 0.05 s (docs/benchmarks.md, twenty-third round).
+# this on the worker's sessions, 0.10 and 0.18 s, and set server-wide (which
+# also covers autovacuum and the app's own sessions), 0.05 s at most
+# (docs/benchmarks.md, twenty-third round).
 BACKEND_FLUSH_AFTER = "256kB"
 
 
