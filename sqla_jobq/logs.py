@@ -27,12 +27,19 @@ from typing import TextIO
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # The attribute (set through `extra=`) holding a record's separate lines.
 LINES = "lines"
+_MARK = "\x00message\x00"
 INTERVAL = 0.1
 MAX_PENDING = 1000
 
 
 class BatchedStreamHandler(logging.StreamHandler[TextIO]):
-    """A StreamHandler whose quiet lines wait up to `interval` for company."""
+    """A StreamHandler whose quiet lines wait up to `interval` for company.
+
+    The write happens outside the handler's lock: a logging call waits for
+    the lock (every `Handler.handle` takes it), and a pipe whose reader has
+    fallen behind can hold a write for milliseconds, which would stall the
+    worker's event loop mid-job. Batches leave the lock in order through the
+    outbox, and one writer at a time empties it."""
 
     def __init__(
         self, stream: TextIO, interval: float = INTERVAL, max_pending: int = MAX_PENDING
@@ -42,6 +49,10 @@ class BatchedStreamHandler(logging.StreamHandler[TextIO]):
         self.max_pending = max_pending
         self.pending: list[str] = []
         self.timer: threading.Timer | None = None
+        # Lock order: the handler's lock, then `writing`, then `posting`.
+        self.outbox: list[str] = []
+        self.posting = threading.Lock()
+        self.writing = threading.Lock()
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
@@ -59,18 +70,26 @@ class BatchedStreamHandler(logging.StreamHandler[TextIO]):
     def flush(self) -> None:
         self.acquire()
         try:
-            self._write_pending()
+            self._post_pending()
         finally:
             self.release()
+        with self.writing:
+            with self.posting:
+                text = "".join(self.outbox)
+                self.outbox.clear()
+            if text:
+                self._write(text)
 
-    def _write_pending(self) -> None:
+    def _post_pending(self) -> None:
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
-        if not self.pending:
-            return
-        text = "\n".join(self.pending) + "\n"
-        self.pending.clear()
+        if self.pending:
+            with self.posting:
+                self.outbox.append("\n".join(self.pending) + "\n")
+            self.pending.clear()
+
+    def _write(self, text: str) -> None:
         try:
             self.stream.write(text)
             self.stream.flush()
@@ -94,10 +113,16 @@ class LinesFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         lines: list[str] | None = getattr(record, LINES, None)
-        if not lines or record.exc_info:
+        if not lines or record.exc_info or record.stack_info:
             return super().format(record)
-        prefix = super().format(logging.makeLogRecord({**record.__dict__, "msg": "", "args": ()}))
-        return "\n".join(prefix + line for line in lines)
+        # The format around the message, found once per record: the lines
+        # are what `Formatter.format` would give each, without a record each.
+        record.message = _MARK
+        if self.usesTime():
+            record.asctime = self.formatTime(record, self.datefmt)
+        head, _, tail = self.formatMessage(record).partition(_MARK)
+        record.message = record.getMessage()
+        return "\n".join(head + line + tail for line in lines)
 
     def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
         if datefmt is not None:

@@ -85,6 +85,55 @@ def test_any_other_formatter_shows_every_line_of_such_a_record() -> None:
     assert logging.Formatter("%(message)s").format(record) == "\n".join(lines)
 
 
+def test_a_record_with_lines_keeps_what_the_format_puts_after_the_message() -> None:
+    lines = ["job 1 outcome=done", "job 2 outcome=done"]
+    record = logging.makeLogRecord(
+        {"msg": "%s", "args": ("\n".join(lines),), "levelname": "INFO", LINES: lines}
+    )
+    formatter = LinesFormatter("[%(levelname)s] %(message)s (end)")
+    assert formatter.format(record).splitlines() == [f"[INFO] {line} (end)" for line in lines]
+    assert record.message == "\n".join(lines)
+
+
+class StuckStream(io.StringIO):
+    """A stream whose writes wait until released, like a pipe nobody reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def write(self, text: str) -> int:
+        self.entered.set()
+        self.release.wait(10)
+        return super().write(text)
+
+
+def test_a_logging_call_does_not_wait_for_a_write_in_progress() -> None:
+    stream = StuckStream()
+    handler = BatchedStreamHandler(stream, interval=0.01)
+    handler.setFormatter(LinesFormatter())
+    logger = logging.getLogger(f"test_logs.stuck.{id(stream)}")
+    logger.propagate = False
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    try:
+        logger.info("first")
+        assert stream.entered.wait(5)  # the timer's flush is inside write()
+        second = threading.Thread(target=logger.info, args=("second",))
+        second.start()
+        second.join(5)
+        assert not second.is_alive()
+    finally:
+        stream.release.set()
+        logger.removeHandler(handler)
+        handler.close()
+    assert [line.rsplit(": ", 1)[1] for line in stream.getvalue().splitlines()] == [
+        "first",
+        "second",
+    ]
+
+
 def test_cancel_signal_wakes_a_waiter_set_before_or_after_it_waits() -> None:
     early = CancelSignal()
     early.set()
