@@ -18,8 +18,8 @@ three steps so each stays small: `collect` (SQL to plain rows), `judge` (rows
 to findings, no I/O) and `render_text` / `Report.as_dict` (output).
 
 The modules: `model` (thresholds, `Finding`, `Facts`, `Report`), `collect`,
-`judge` (with `horizon`, `checkpoints`, `table`, `autovacuum` and `queues`,
-one per subject), `units` (how numbers read) and `render`.
+`judge` (with `horizon`, `checkpoints`, `writeback`, `table`, `autovacuum` and
+`queues`, one per subject), `units` (how numbers read) and `render`.
 
 JSON shape (``jobq doctor --json``), stable, ``format`` 1::
 

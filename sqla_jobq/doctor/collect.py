@@ -114,6 +114,11 @@ _CHECKPOINT_COUNTS = {
     17: ("pg_stat_checkpointer", "num_requested", "num_timed"),
 }
 
+_WRITEBACK = """
+SELECT setting::int AS pages, source, current_setting('block_size')::int AS block_size
+FROM pg_settings WHERE name = 'backend_flush_after'
+"""
+
 _ARCHIVE = """
 SELECT pg_total_relation_size(c.oid) AS total_bytes, c.reltuples::bigint AS rows_estimate
 FROM pg_class c WHERE c.oid = to_regclass(:qualified)
@@ -205,6 +210,7 @@ def collect(conn: Connection, names: Names, thresholds: Thresholds) -> Facts:
         queues=_rows(conn, _queues_sql(names), _queue_params(thresholds)),
         settings=_settings(conn, names, version),
         checkpoints=_checkpoints(conn),
+        writeback=_rows(conn, _WRITEBACK)[0],
     )
 
 

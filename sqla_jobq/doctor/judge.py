@@ -1,6 +1,6 @@
 """Turn `Facts` into `Finding`s, no I/O: the schema and what this role can
 see here, then the xmin horizon (`horizon`), the server's checkpoints
-(`checkpoints`), the table (`table`,
+(`checkpoints`) and writeback (`writeback`), the table (`table`,
 `autovacuum`) and its queues (`queues`), in the order the report reads top
 down."""
 
@@ -24,6 +24,7 @@ from .model import Facts, Finding, Thresholds, ok, warn
 from .queues import queue_findings
 from .settings import settings_findings
 from .table import dead_tuple_finding, index_findings, size_finding, statistics_finding
+from .writeback import writeback_finding
 
 
 def judge(facts: Facts, names: Names, t: Thresholds) -> list[Finding]:
@@ -56,6 +57,7 @@ def judge(facts: Facts, names: Names, t: Thresholds) -> list[Finding]:
         *_or_ok(prepared, "prepared_transaction", "no orphaned prepared transaction"),
         *_or_ok(slots, "replication_slot", "no replication slot holds the horizon back"),
         checkpoint_finding(facts, t),
+        writeback_finding(facts, held_back),
         dead_tuple_finding(facts, names, t, held_back),
         autovacuum_finding(facts, names),
         statistics_finding(facts, names),

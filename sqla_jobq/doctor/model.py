@@ -65,6 +65,7 @@ CHECKS = (
     "prepared_transaction",
     "replication_slot",
     "checkpoints",
+    "writeback",
     "dead_tuples",
     "autovacuum",
     "statistics",
@@ -145,6 +146,8 @@ class Facts:
     queues: list[Row]
     # The current checkpoint interval (`checkpoints`), or {"unreadable": why}.
     checkpoints: Row
+    # backend_flush_after as this session sees it, and where from (`writeback`).
+    writeback: Row
     settings: list[Row] = field(default_factory=list)  # paused or limited queues
 
 

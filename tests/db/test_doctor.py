@@ -25,7 +25,7 @@ from typing import Any
 import psycopg
 import pytest
 from sqlalchemy import Engine, MetaData, Table, create_engine, text
-from sqlalchemy.engine import Connection
+from sqlalchemy.engine import Connection, make_url
 from sqlalchemy.exc import InternalError
 from sqlalchemy.pool import NullPool
 
@@ -671,6 +671,67 @@ def test_doctor_warns_of_a_mostly_empty_table_outgrowing_shared_buffers_until_re
     assert size["data"]["table_bytes"] < 64 * 1024
     # The 150,000-row load writes WAL fast enough to be the server's one warning.
     assert {f["check"] for f in shown["findings"] if f["level"] == "warn"} <= {"checkpoints"}
+
+
+# --- writeback: what the release of a held horizon costs at the next checkpoint -------------
+
+
+def writeback(engine: Engine, table: Table) -> tuple[Finding, list[Finding]]:
+    """The writeback finding, and the horizon warnings beside it, with an
+    idle-in-transaction limit a test can pass in a moment."""
+    report = diagnose(engine, table, Thresholds(idle_in_transaction_seconds=0.2))
+    (found,) = of_check(report, "writeback")
+    return found, of_check(report, "idle_in_transaction")
+
+
+def test_writeback_left_to_the_checkpoint_is_a_warning_only_while_a_horizon_is_held(
+    database_url: str, table: Table
+) -> None:
+    engine = create_engine(
+        sqlalchemy_url(database_url),
+        poolclass=NullPool,
+        connect_args={"options": "-c backend_flush_after=0"},
+    )
+    try:
+        calm, _ = writeback(engine, table)
+        with snapshot_held(database_url):
+            time.sleep(0.3)
+            held, idle = writeback(engine, table)
+    finally:
+        engine.dispose()
+    assert calm.level == "ok"
+    assert calm.summary.endswith("matters once a long-held horizon moves on")
+    assert [f.level for f in idle] == ["warn"]
+    assert held.level == "warn"
+    assert "which stalls every commit" in held.summary
+    database = make_url(database_url).database
+    assert f"ALTER DATABASE {database} SET backend_flush_after = '256kB'" in held.advice
+    assert held.data["bytes"] == 0 and held.data["source"] == "client"
+    assert held.data["shared_with_autovacuum"] is False
+
+
+def test_backend_flush_after_set_for_the_database_satisfies_the_writeback_check(
+    on_server: tuple[str, Table],
+) -> None:
+    """ALTER DATABASE needs no superuser, and reaches the database's autovacuum
+    workers as well as its new sessions: the doctor accepts it while a horizon
+    is held."""
+    url, table = on_server
+    database = url.rsplit("/", 1)[1]
+    with psycopg.connect(conninfo(url), autocommit=True) as conn:
+        conn.execute(f"ALTER DATABASE \"{database}\" SET backend_flush_after = '256kB'".encode())
+    engine = create_engine(sqlalchemy_url(url), poolclass=NullPool)
+    try:
+        with snapshot_held(url):
+            time.sleep(0.3)
+            found, idle = writeback(engine, table)
+    finally:
+        engine.dispose()
+    assert [f.level for f in idle] == ["warn"]
+    assert found.level == "ok"
+    assert found.data["bytes"] == 256 * 1024 and found.data["source"] == "database"
+    assert found.data["shared_with_autovacuum"] is True
+    assert found.summary == "backend_flush_after 256 kB (from the database)"
 
 
 # --- a server whose WAL starts checkpoints before checkpoint_timeout -----------------------
