@@ -57,6 +57,13 @@ def main() -> int:
         "e.g. --server-setting=shared_buffers=1GB",
     )
     parser.add_argument(
+        "--database-setting",
+        action="append",
+        default=[],
+        help="held-snapshot: ALTER DATABASE scene SET name=value before the run "
+        "(repeatable), e.g. --database-setting=backend_flush_after=256kB",
+    )
+    parser.add_argument(
         "--on-release",
         default=None,
         help="held-snapshot: a statement another session runs in autocommit as the "
@@ -81,6 +88,7 @@ def main() -> int:
             held=not args.no_hold,
             server_settings=args.server_setting,
             on_release=args.on_release,
+            database_settings=args.database_setting,
         )
     else:
         result = SCENES[args.scene].run(args.minutes, log)

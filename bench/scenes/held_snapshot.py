@@ -38,6 +38,7 @@ from itertools import pairwise
 from typing import Any
 
 import psycopg
+from psycopg import sql
 
 from . import base
 
@@ -53,6 +54,7 @@ def run(
     held: bool = True,
     server_settings: Sequence[str] = (),
     on_release: str | None = None,
+    database_settings: Sequence[str] = (),
 ) -> dict[str, Any]:
     """`offered_rate` (jobs/s) replaces half the saturated rate: the same
     absolute load as another run, when comparing two versions of the worker
@@ -61,7 +63,9 @@ def run(
     `held` False is the control run: everything else the same, the other
     session reads in autocommit and holds nothing, so the "after" phase shows
     how far a clean queue's 10 s buckets stray from the clean p99 alone.
-    `server_settings` (`name=value`) change the cluster's defaults.
+    `server_settings` (`name=value`) change the cluster's defaults;
+    `database_settings` are set with `ALTER DATABASE scene SET`, as an owner
+    without superuser rights can (new sessions and autovacuum take them).
     `on_release` is a statement another session runs in autocommit as the
     snapshot is released (say `REINDEX TABLE CONCURRENTLY jobs`), in the
     background so the scene's clock goes on: a remedy tried before building it."""
@@ -73,6 +77,14 @@ def run(
     every = base.SAMPLE_SECONDS if minutes >= 0.5 else 5.0
     sat_jobs = 20_000 if minutes >= 0.5 else 3_000
     with base.throwaway_cluster(server_settings) as cluster:
+        with cluster.connect() as conn:
+            for setting in database_settings:
+                name, _, value = setting.partition("=")
+                conn.execute(
+                    sql.SQL("ALTER DATABASE scene SET {} = {}").format(
+                        sql.Identifier(name), sql.Literal(value)
+                    )
+                )
         settings = cluster.settings()
         sat = base.saturated_rate(cluster, sat_jobs)
         offered = sat / 2 if offered_rate is None else offered_rate
@@ -154,6 +166,7 @@ def run(
     result["worker_args"] = extra
     result["held"] = held
     result["server_settings"] = list(server_settings)
+    result["database_settings"] = list(database_settings)
     result["on_release"] = on_release
     result["watch"] = {
         "warm": base.watch_summary(watch.glimpses, 0, warm),
