@@ -1,16 +1,18 @@
-"""Judge whether the release of a held horizon will stall commits at the next
-checkpoint.
+"""Judge whether the release of a held horizon will stall commits.
 
 A snapshot held for minutes lets the queue table grow by every row version
 written meanwhile. When it goes, VACUUM rewrites what the hold grew (hundreds
 of MB in the held-snapshot scene) and autovacuum marks the archive's new
 pages visible. With `backend_flush_after` at 0, PostgreSQL's default on
-Linux, a backend's writes wait in the kernel's page cache until the next
-checkpoint's fsync writes them all at once, and every commit, which fsyncs
-the WAL on the same disk, waits behind it. In docs/benchmarks.md's
-twenty-third round the checkpoints after a release synced for 0.38 and
-0.44 s, against 0.03 and 0.05 s with the setting at 256kB for the whole
-server.
+Linux, a backend's writes wait in the kernel's page cache until the kernel
+writes them back in bulk or the next checkpoint's fsync writes them all at
+once, and every commit, which fsyncs the WAL on the same disk, waits behind
+that. In docs/benchmarks.md's twenty-third round the checkpoints after a
+release synced for 0.38 and 0.44 s, against 0.03 and 0.05 s with the setting
+at 256kB for the whole server; in the twenty-fourth, at one load in one
+sitting, the setting for the database held the worst 10 s of a 3-minute
+hold to 1.93x and 2.03x the clean pickup p99, where the worker's sessions
+alone reached 3.24x and never came back within 1.5x.
 
 The worker sets it on its own sessions (`db.BACKEND_FLUSH_AFTER`); autovacuum
 and the app's sessions take the server's value or the database's. `ALTER
@@ -58,8 +60,9 @@ def writeback_finding(facts: Facts, held_back: bool) -> Finding:
         "writeback",
         "server",
         f"{summary}: when the horizon held above moves on, VACUUM rewrites what the hold "
-        "kept, and those writes wait for the next checkpoint's fsync, which stalls every commit",
-        f"ALTER DATABASE {facts.database} SET backend_flush_after = '{SUGGESTED}' "
+        "kept, and those writes wait in the kernel's cache, then reach the disk in bursts "
+        "(its writeback, the next checkpoint's fsync) that stall every commit",
+        f"ALTER DATABASE \"{facts.database}\" SET backend_flush_after = '{SUGGESTED}' "
         "(new sessions and autovacuum of this database; no superuser needed), "
         "or ALTER SYSTEM SET it for the whole server",
         data,
