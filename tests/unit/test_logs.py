@@ -14,15 +14,21 @@ from sqla_jobq.job import CancelSignal
 from sqla_jobq.logs import LINES, BatchedStreamHandler, LinesFormatter
 
 
-@pytest.fixture
-def logged() -> Iterator[tuple[logging.Logger, io.StringIO, BatchedStreamHandler]]:
-    stream = io.StringIO()
-    handler = BatchedStreamHandler(stream, interval=0.2)
+def logger_on(stream: io.StringIO, interval: float) -> tuple[logging.Logger, BatchedStreamHandler]:
+    """A logger of its own at INFO, writing to `stream` through the batched handler."""
+    handler = BatchedStreamHandler(stream, interval=interval)
     handler.setFormatter(LinesFormatter())
     logger = logging.getLogger(f"test_logs.{id(stream)}")
     logger.propagate = False
     logger.setLevel(logging.INFO)
     logger.addHandler(handler)
+    return logger, handler
+
+
+@pytest.fixture
+def logged() -> Iterator[tuple[logging.Logger, io.StringIO, BatchedStreamHandler]]:
+    stream = io.StringIO()
+    logger, handler = logger_on(stream, interval=0.2)
     yield logger, stream, handler
     logger.removeHandler(handler)
     handler.close()
@@ -111,12 +117,7 @@ class StuckStream(io.StringIO):
 
 def test_a_logging_call_does_not_wait_for_a_write_in_progress() -> None:
     stream = StuckStream()
-    handler = BatchedStreamHandler(stream, interval=0.01)
-    handler.setFormatter(LinesFormatter())
-    logger = logging.getLogger(f"test_logs.stuck.{id(stream)}")
-    logger.propagate = False
-    logger.setLevel(logging.INFO)
-    logger.addHandler(handler)
+    logger, handler = logger_on(stream, interval=0.01)
     try:
         logger.info("first")
         assert stream.entered.wait(5)  # the timer's flush is inside write()
