@@ -10,9 +10,9 @@ once, and every commit, which fsyncs the WAL on the same disk, waits behind
 that. In docs/benchmarks.md's twenty-third round the checkpoints after a
 release synced for 0.38 and 0.44 s, against 0.03 and 0.05 s with the setting
 at 256kB for the whole server; in the twenty-fourth, at one load in one
-sitting, the setting for the database held the worst 10 s of a 3-minute
-hold to 1.93x and 2.03x the clean pickup p99, where the worker's sessions
-alone reached 3.24x and never came back within 1.5x.
+sitting, the worst 10 s of a 3-minute hold came to 1.93x and 2.03x the
+clean pickup p99 with the setting for the database, and to 3.24x and 2.25x
+with only the worker's sessions setting it.
 
 The worker sets it on its own sessions (`db.BACKEND_FLUSH_AFTER`); autovacuum
 and the app's sessions take the server's value or the database's. `ALTER
