@@ -1,4 +1,4 @@
-"""Judge whether the release of a held horizon will stall commits.
+"""Judge whether the release of a held horizon may stall commits.
 
 A snapshot held for minutes lets the queue table grow by every row version
 written meanwhile. When it goes, VACUUM rewrites what the hold grew (hundreds
@@ -10,9 +10,9 @@ once, and every commit, which fsyncs the WAL on the same disk, waits behind
 that. In docs/benchmarks.md's twenty-third round the checkpoints after a
 release synced for 0.38 and 0.44 s, against 0.03 and 0.05 s with the setting
 at 256kB for the whole server; in the twenty-fourth, at one load in one
-sitting, the worst 10 s of a 3-minute hold came to 1.93x and 2.03x the
-clean pickup p99 with the setting for the database, and to 3.24x and 2.25x
-with only the worker's sessions setting it.
+sitting on another VM, whose checkpoints synced in 0.14 s at most, runs
+with the setting for the database and runs without it did not differ
+beyond their own spread: how much the bursts cost depends on the storage.
 
 The worker sets it on its own sessions (`db.BACKEND_FLUSH_AFTER`); autovacuum
 and the app's sessions take the server's value or the database's. `ALTER
@@ -61,7 +61,7 @@ def writeback_finding(facts: Facts, held_back: bool) -> Finding:
         "server",
         f"{summary}: when the horizon held above moves on, VACUUM rewrites what the hold "
         "kept, and those writes wait in the kernel's cache, then reach the disk in bursts "
-        "(its writeback, the next checkpoint's fsync) that stall every commit",
+        "(its writeback, the next checkpoint's fsync) that can stall every commit",
         f"ALTER DATABASE \"{facts.database}\" SET backend_flush_after = '{SUGGESTED}' "
         "(new sessions and autovacuum of this database; no superuser needed), "
         "or ALTER SYSTEM SET it for the whole server",
