@@ -115,7 +115,7 @@ _CHECKPOINT_COUNTS = {
 }
 
 _WRITEBACK = """
-SELECT setting::int AS pages, source, current_setting('block_size')::int AS block_size
+SELECT pg_size_bytes(current_setting(name)) AS bytes, source
 FROM pg_settings WHERE name = 'backend_flush_after'
 """
 

@@ -45,13 +45,12 @@ SHARED_SOURCES = {
 
 def writeback_finding(facts: Facts, held_back: bool) -> Finding:
     row = facts.writeback
-    pages, source = int(row["pages"]), str(row["source"])
-    written = pages * int(row["block_size"])
-    data = {**row, "bytes": written, "shared_with_autovacuum": source in SHARED_SOURCES}
-    summary = f"backend_flush_after {byte_size(written) if pages else '0'} (from the {source})"
+    written, source = int(row["bytes"]), str(row["source"])
+    data = {**row, "shared_with_autovacuum": source in SHARED_SOURCES}
+    summary = f"backend_flush_after {byte_size(written) if written else '0'} (from the {source})"
     if source not in SHARED_SOURCES:
         summary += "; autovacuum goes by the server's or the database's value"
-    if pages and source in SHARED_SOURCES:
+    if written and source in SHARED_SOURCES:
         return ok("writeback", "server", summary, data)
     if not held_back:
         later = f"{summary}: matters once a long-held horizon moves on"
