@@ -122,6 +122,7 @@ __all__ = [
     "status_in",
     "status_is",
     "unique_key_holder",
+    "waiting_at_most",
 ]
 
 DEFAULT_LEASE = timedelta(minutes=5)
@@ -717,6 +718,7 @@ def complete_many(
     results: Sequence[str | None] | None = None,
     *,
     skip_locked: bool = False,
+    lock_timeout: timedelta | None = None,
 ) -> Update:
     """`complete` for a batch of `(id, attempts)` pairs in one round trip.
 
@@ -728,20 +730,49 @@ def complete_many(
 
     Plain, it waits on a row another session holds locked, as any UPDATE
     does: claimers lock rows for a moment as they pass them, so this is the
-    fast path, run under a short `lock_timeout`. `skip_locked` is the way
-    round a row held longer (an admin's open transaction): the rest of the
-    batch is recorded and the held row retried later.
+    fast path, run under a short `lock_timeout` (see `waiting_at_most`).
+    `skip_locked` is the way round a row held longer (an admin's open
+    transaction): the rest of the batch is recorded and the held row retried
+    later.
     """
     jobs, results = newest_first(jobs, results)  # results stay beside their pairs
-    return _done_in_place(table, jobs, results, _ours(table, jobs, skip_locked))
+    return _done_in_place(table, jobs, results, _ours(table, jobs, skip_locked, lock_timeout))
 
 
 def _ours(
-    table: Table, jobs: Sequence[tuple[int, int]], skip_locked: bool
+    table: Table,
+    jobs: Sequence[tuple[int, int]],
+    skip_locked: bool,
+    lock_timeout: timedelta | None,
 ) -> tuple[ColumnElement[bool], ...]:
     """The rows of a batch still ours: fenced, or, with `skip_locked`, those
     of them no other session holds (`_lockable`)."""
-    return (_lockable(table, jobs),) if skip_locked else _fence_many(table, jobs)
+    if skip_locked:
+        return (_lockable(table, jobs),)
+    return (*_fence_many(table, jobs), *waiting_at_most(lock_timeout))
+
+
+def waiting_at_most(lock_timeout: timedelta | None) -> tuple[ColumnElement[bool], ...]:
+    """`(SELECT set_config('lock_timeout', '200ms', true)) IS NOT NULL`: a
+    condition that is always true and, evaluated once before the statement
+    touches a row (PostgreSQL plans it as a one-time filter), bounds how long
+    the statement waits for a row another session holds.
+
+    A session's own `lock_timeout` does not survive a transaction-mode
+    pooler: PgBouncer drops the startup options that set it, and a `SET`
+    would hold on whichever server connection it happened to run. Inside the
+    statement, the setting holds wherever the statement runs, for its own
+    transaction only (`is_local`). It does not cover the table-level lock
+    taken while the statement is planned (a `DROP` or `VACUUM FULL` under
+    way still makes it wait). None: no condition, the session's setting
+    holds.
+    """
+    if lock_timeout is None:
+        return ()
+    milliseconds = max(1, round(lock_timeout.total_seconds() * 1000))
+    value = bindparam("lock_timeout", f"{milliseconds}ms", type_=Text)
+    setting = func.set_config(literal_column("'lock_timeout'", Text), value, true())
+    return (select(setting).scalar_subquery().is_not(None),)
 
 
 def _done_in_place(
@@ -765,6 +796,7 @@ def complete_to_archive(
     results: Sequence[str | None] | None = None,
     *,
     skip_locked: bool = False,
+    lock_timeout: timedelta | None = None,
 ) -> CompoundSelect[Any]:
     """`complete_many` that moves each job it completes into `<table>_archive`
     in the same statement, instead of leaving it `done` in the jobs table for
@@ -787,7 +819,7 @@ def complete_to_archive(
     """
     c = table.c
     jobs, results = newest_first(jobs, results)
-    ours = _ours(table, jobs, skip_locked)
+    ours = _ours(table, jobs, skip_locked, lock_timeout)
     completed = table.delete().where(*ours, ~c.awaited).returning(*c).cte("completed")
     done = dict(_DONE)
     if results is not None:
@@ -819,16 +851,24 @@ def _backoff(table: Table) -> ColumnElement[Any]:
     return func.now() + func.least(literal_column(BACKOFF_CAP, Interval), step)
 
 
-def fail(table: Table, id: int, attempts: int, error: str) -> Update:
+def fail(
+    table: Table,
+    id: int,
+    attempts: int,
+    error: str,
+    *,
+    lock_timeout: timedelta | None = None,
+) -> Update:
     """Record a failed attempt: retry after 10 s * 2^attempts (at most 1 h), or
     give up as `failed` once `attempts >= max_attempts`. `last_error` is kept
     either way. Returns the row's new status and run_at if it was still ours.
+    `lock_timeout`: see `waiting_at_most`.
     """
     c = table.c
     final = c.attempts >= c.max_attempts
     return (
         update(table)
-        .where(*_fence(table, id, attempts))
+        .where(*_fence(table, id, attempts), *waiting_at_most(lock_timeout))
         .values(
             status=case((final, _status_literal("failed")), else_=_status_literal("queued")),
             run_at=case((final, c.run_at), else_=_backoff(table)),

@@ -14,13 +14,16 @@ from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import psycopg
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import Connection, Engine, Table, func, select, update
 from sqlalchemy.dialects import postgresql
+from sqlalchemy.exc import OperationalError
 
 from sqla_jobq import client, statements
+from sqla_jobq.driver import OUTCOME_LOCK_TIMEOUT as WORKER_LOCK_TIMEOUT
 from sqla_jobq.statements import InvalidJob, NewJob
 
 SHORT_LEASE = timedelta(milliseconds=50)
@@ -161,6 +164,61 @@ def test_stale_worker_cannot_complete_fail_or_extend_reclaimed_job(
         assert conn.execute(statements.complete(table, job_id, 2)).rowcount == 1
         row = job(conn, table, job_id)
         assert (row.status, row.attempts, row.locked_until) == ("done", 2, None)
+
+
+OUTCOMES = {
+    "complete_many": lambda t, key, wait: statements.complete_many(t, [key], lock_timeout=wait),
+    "complete_to_archive": lambda t, key, wait: statements.complete_to_archive(
+        t, [key], lock_timeout=wait
+    ),
+    "fail": lambda t, key, wait: statements.fail(t, *key, "boom", lock_timeout=wait),
+}
+
+
+@pytest.mark.parametrize("form", sorted(OUTCOMES))
+def test_an_outcome_gives_up_on_a_held_row_after_its_own_lock_timeout_whatever_the_session_says(
+    engine: Engine, table: Table, form: str
+) -> None:
+    """Behind a transaction-mode pooler the worker's session setting is gone
+    (PgBouncer drops the startup options): here `lock_timeout` is 0, wait
+    for ever. The statement's own 200 ms still ends the wait on a row
+    another session holds, with the error the finisher goes round (not the
+    10 s statement timeout that guards this test), and leaves the session's
+    setting as it was."""
+    with autocommit(engine) as conn:
+        job_id = client.enqueue(conn, table, "t", {})
+        claimed = claim_one(conn, table)
+    key = (job_id, claimed.attempts)
+    stmt = OUTCOMES[form](table, key, WORKER_LOCK_TIMEOUT)
+    with engine.connect() as holder, autocommit(engine) as conn:
+        holder.execute(select(table.c.id).where(table.c.id == job_id).with_for_update())
+        conn.exec_driver_sql("SET lock_timeout = 0")
+        conn.exec_driver_sql("SET statement_timeout = '10s'")
+        with pytest.raises(OperationalError) as refused:
+            conn.execute(stmt).all()
+        assert isinstance(refused.value.orig, psycopg.errors.LockNotAvailable)
+        assert conn.exec_driver_sql("SHOW lock_timeout").scalar_one() == "0"
+        holder.rollback()
+        assert len(conn.execute(stmt).all()) == 1  # the row free again, the outcome recorded
+
+
+def test_an_outcomes_lock_timeout_is_a_one_time_filter_evaluated_before_any_row(
+    engine: Engine, table: Table
+) -> None:
+    """What `waiting_at_most` adds, as SQL and as plan: a condition without
+    columns, which PostgreSQL evaluates once, before it reads a row; without
+    a `lock_timeout` the statement is as it was."""
+    stmt = statements.fail(table, 1, 1, "boom", lock_timeout=WORKER_LOCK_TIMEOUT)
+    compiled = stmt.compile(dialect=postgresql.psycopg.dialect())
+    assert "AND (SELECT set_config('lock_timeout', %(lock_timeout)s::VARCHAR, true)" in str(
+        compiled
+    )
+    assert compiled.params["lock_timeout"] == "200ms"
+    assert "set_config" not in str(statements.fail(table, 1, 1, "boom").compile())
+    with engine.connect() as conn:
+        plan = conn.exec_driver_sql(f"EXPLAIN (COSTS OFF) {compiled}", compiled.params)
+        assert "One-Time Filter: ($0 IS NOT NULL)" in "\n".join(plan.scalars())
+        conn.rollback()
 
 
 @pytest.mark.parametrize("stale_first", [True, False])
@@ -798,13 +856,18 @@ def test_fenced_statements_find_their_rows_by_primary_key_in_generic_plans(
         )
         conn.exec_driver_sql(f'ANALYZE "{name}"')
     pairs = [(1, 1), (2, 1)]
+    wait = WORKER_LOCK_TIMEOUT
     fenced = {
-        "complete_many": statements.complete_many(history, pairs),
-        "complete_many with results": statements.complete_many(history, pairs, [None, None]),
-        "complete_to_archive": statements.complete_to_archive(history, pairs, [None, None]),
+        "complete_many": statements.complete_many(history, pairs, lock_timeout=wait),
+        "complete_many with results": statements.complete_many(
+            history, pairs, [None, None], lock_timeout=wait
+        ),
+        "complete_to_archive": statements.complete_to_archive(
+            history, pairs, [None, None], lock_timeout=wait
+        ),
         "extend_leases": statements.extend_leases(history, pairs, timedelta(minutes=5)),
         "release_many": statements.release_many(history, pairs, refund=True),
-        "fail": statements.fail(history, 1, 1, "boom"),
+        "fail": statements.fail(history, 1, 1, "boom", lock_timeout=wait),
     }
     with engine.connect() as conn:
         conn.exec_driver_sql("SET plan_cache_mode = force_generic_plan")
@@ -839,11 +902,14 @@ def _literal(value: Any) -> str:
 
 def fenced_batches(table: Table, pairs: list[tuple[int, int]]) -> dict[str, Any]:
     """Every fenced batch statement a worker runs, for these pairs."""
+    wait = WORKER_LOCK_TIMEOUT
     return {
-        "complete_many": statements.complete_many(table, pairs),
-        "complete_many with results": statements.complete_many(table, pairs, [None] * len(pairs)),
+        "complete_many": statements.complete_many(table, pairs, lock_timeout=wait),
+        "complete_many with results": statements.complete_many(
+            table, pairs, [None] * len(pairs), lock_timeout=wait
+        ),
         "complete_many skipping locked": statements.complete_many(table, pairs, skip_locked=True),
-        "complete_to_archive": statements.complete_to_archive(table, pairs),
+        "complete_to_archive": statements.complete_to_archive(table, pairs, lock_timeout=wait),
         "complete_to_archive skipping locked": statements.complete_to_archive(
             table, pairs, skip_locked=True
         ),

@@ -2,14 +2,26 @@
 
 from __future__ import annotations
 
-import pytest
+import threading
+from typing import Any
 
+import psycopg
+import pytest
+from sqlalchemy import Engine, Table
+
+from sqla_jobq import Registry
+from sqla_jobq.db import conninfo
 from tests.support.faultqueue import FaultQueue
+from tests.support.inprocess import running
 from tests.support.pgbouncer import Bouncer
 from tests.support.processes import Workers
+from tests.support.rows import enqueue
+from tests.support.rows import job_row as row
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.faults
+
+Raw = psycopg.Connection[Any]
 
 
 def test_transaction_pooling_runs_each_job_exactly_once(
@@ -59,3 +71,47 @@ def test_prepared_statements_break_behind_pgbouncer_118(
     for p in procs:
         p.stop()
     fq.check_audit()  # still: every transition legal and fenced
+
+
+def test_a_row_another_session_holds_stalls_no_completion_behind_pgbouncer(
+    pgbouncer: Bouncer, engine: Engine, table: Table, raw: Raw, database_url: str
+) -> None:
+    """PgBouncer drops the worker's startup options, its 200 ms `lock_timeout`
+    among them, so a completion waiting on a row an admin's open transaction
+    holds used to wait as long as that transaction, and every outcome behind
+    it with it. The fenced completion and failure carry their lock timeout
+    in the statement itself: the held job is retried, the next one is
+    recorded while the row is still held."""
+    registry = Registry(table)
+    started, locked = threading.Event(), threading.Event()
+
+    @registry.task(name="held")
+    def held() -> None:
+        started.set()
+        locked.wait(10)  # finish only once its row is locked: the completion must wait
+
+    @registry.task(name="quick")
+    def quick() -> None:
+        pass
+
+    @registry.task(name="broken")
+    def broken() -> None:
+        raise ValueError("recorded while a row is held")
+
+    held_id = enqueue(engine, table, "held")
+    options = {"prepared": False, "listen_url": database_url, "concurrency": 2}
+    with (
+        running(registry, pgbouncer.url, **options),
+        psycopg.connect(conninfo(database_url)) as holder,
+    ):
+        assert started.wait(10), "the held job never ran"
+        holder.execute(f'SELECT 1 FROM "{table.name}" WHERE id = %s FOR UPDATE', (held_id,))
+        locked.set()
+        quick_id = enqueue(engine, table, "quick")
+        broken_id = enqueue(engine, table, "broken", max_attempts=1)
+        wait_until(lambda: row(raw, table, quick_id)["status"] == "done", 10, "quick done")
+        wait_until(lambda: row(raw, table, broken_id)["status"] == "failed", 10, "broken failed")
+        assert row(raw, table, held_id)["status"] == "running"  # still held, still ours
+        holder.rollback()
+        wait_until(lambda: row(raw, table, held_id)["status"] == "done", 10, "held done")
+    assert row(raw, table, held_id)["attempts"] == 1
