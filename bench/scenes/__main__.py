@@ -50,6 +50,12 @@ def main() -> int:
         "by itself)",
     )
     parser.add_argument(
+        "--idle-in-transaction",
+        action="store_true",
+        help="held-snapshot: the other session updates a row of its own table and "
+        "idles in that READ COMMITTED transaction instead of holding a snapshot",
+    )
+    parser.add_argument(
         "--server-setting",
         action="append",
         default=[],
@@ -89,6 +95,7 @@ def main() -> int:
             server_settings=args.server_setting,
             on_release=args.on_release,
             database_settings=args.database_setting,
+            idle_in_transaction=args.idle_in_transaction,
         )
     else:
         result = SCENES[args.scene].run(args.minutes, log)

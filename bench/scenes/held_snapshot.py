@@ -12,7 +12,12 @@ On a throwaway cluster (autovacuum on, default settings):
    setting, so runs compare) and a clean minute, another session opens a `REPEATABLE READ`
    transaction, reads one row of the jobs table (which takes its snapshot)
    and holds it for 3 minutes, then commits; the scene goes on for 3 more
-   minutes to see it recover.
+   minutes to see it recover. With `--idle-in-transaction`, the other
+   session instead updates a row of an app table of its own in a READ
+   COMMITTED transaction and leaves it idle for the 3 minutes: it holds no
+   snapshot between statements, but its transaction id holds the horizon
+   back all the same (an app's forgotten transaction; a read alone would
+   hold nothing).
 
 Every 10 s it samples `pg_stat_user_tables` (live and dead tuples, autovacuum
 runs), the jobs table's heap and index sizes and the backlog; at the end it
@@ -55,6 +60,7 @@ def run(
     server_settings: Sequence[str] = (),
     on_release: str | None = None,
     database_settings: Sequence[str] = (),
+    idle_in_transaction: bool = False,
 ) -> dict[str, Any]:
     """`offered_rate` (jobs/s) replaces half the saturated rate: the same
     absolute load as another run, when comparing two versions of the worker
@@ -68,7 +74,9 @@ def run(
     without superuser rights can (new sessions and autovacuum take them).
     `on_release` is a statement another session runs in autocommit as the
     snapshot is released (say `REINDEX TABLE CONCURRENTLY jobs`), in the
-    background so the scene's clock goes on: a remedy tried before building it."""
+    background so the scene's clock goes on: a remedy tried before building it.
+    `idle_in_transaction`: the other session writes a row of its own table
+    and idles in that transaction instead of holding a snapshot."""
     extra = worker_args or []
     # The warm-up is not part of the clean baseline: with `--archive-after 60s`,
     # before the first done jobs are old enough to archive, the worker does
@@ -78,6 +86,8 @@ def run(
     sat_jobs = 20_000 if minutes >= 0.5 else 3_000
     with base.throwaway_cluster(server_settings) as cluster:
         with cluster.connect() as conn:
+            conn.execute("CREATE TABLE app_rows (id int PRIMARY KEY, n int NOT NULL)")
+            conn.execute("INSERT INTO app_rows VALUES (1, 0)")
             for setting in database_settings:
                 name, _, value = setting.partition("=")
                 conn.execute(
@@ -117,15 +127,14 @@ def run(
             try:
                 time.sleep(max(0.0, t0 + warm + clean - time.monotonic()))
                 holder.autocommit = not held
-                holder.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
-                holder.execute("SELECT id FROM jobs LIMIT 1").fetchall()
+                what = _hold(holder, idle_in_transaction)
                 hold_start = time.monotonic() - t0
                 taken = "taken and held" if held else "not held (control run)"
-                log(f"  -- {hold_start:.0f} s: REPEATABLE READ snapshot {taken}")
+                log(f"  -- {hold_start:.0f} s: {what} {taken}")
                 time.sleep(max(0.0, t0 + warm + clean + hold - time.monotonic()))
                 holder.commit()
                 hold_end = time.monotonic() - t0
-                log(f"  -- {hold_end:.0f} s: snapshot released")
+                log(f"  -- {hold_end:.0f} s: released (committed)")
                 remedy = _Remedy(cluster.dsn(), on_release, t0, log) if on_release else None
                 time.sleep(max(0.0, t0 + warm + clean + hold + after - time.monotonic()))
                 if remedy is not None:
@@ -165,6 +174,7 @@ def run(
     result["settled_after_release_s"] = settled - hold_end
     result["worker_args"] = extra
     result["held"] = held
+    result["hold_kind"] = "idle in transaction" if idle_in_transaction else "snapshot"
     result["server_settings"] = list(server_settings)
     result["database_settings"] = list(database_settings)
     result["on_release"] = on_release
@@ -181,6 +191,16 @@ def run(
         for s in seconds
     ]
     return result
+
+
+def _hold(holder: psycopg.Connection[Any], idle_in_transaction: bool) -> str:
+    """Open what the other session holds; what it is, for the log."""
+    if idle_in_transaction:
+        holder.execute("UPDATE app_rows SET n = n + 1 WHERE id = 1")
+        return "a transaction idle after a write (READ COMMITTED)"
+    holder.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+    holder.execute("SELECT id FROM jobs LIMIT 1").fetchall()
+    return "REPEATABLE READ snapshot"
 
 
 class _Remedy(threading.Thread):
