@@ -761,8 +761,9 @@ def waiting_at_most(lock_timeout: timedelta | None) -> tuple[ColumnElement[bool]
     A session's own `lock_timeout` does not survive a transaction-mode
     pooler: PgBouncer drops the startup options that set it, and a `SET`
     would hold on whichever server connection it happened to run. Inside the
-    statement, the setting holds wherever the statement runs, for its own
-    transaction only (`is_local`). It does not cover the table-level lock
+    statement, the setting holds wherever the statement runs, until its
+    transaction ends (`is_local`: in autocommit, with the statement; in a
+    caller's transaction, for the rest of it). It does not cover the table-level lock
     taken while the statement is planned (a `DROP` or `VACUUM FULL` under
     way still makes it wait). None: no condition, the session's setting
     holds.
