@@ -70,6 +70,13 @@ def main() -> int:
         "(repeatable), e.g. --database-setting=backend_flush_after=256kB",
     )
     parser.add_argument(
+        "--table-setting",
+        action="append",
+        default=[],
+        help="held-snapshot: ALTER TABLE jobs SET (name = value) after the migration "
+        "(repeatable), e.g. --table-setting=autovacuum_vacuum_cost_delay=2",
+    )
+    parser.add_argument(
         "--on-release",
         default=None,
         help="held-snapshot: a statement another session runs in autocommit as the "
@@ -96,6 +103,7 @@ def main() -> int:
             on_release=args.on_release,
             database_settings=args.database_setting,
             idle_in_transaction=args.idle_in_transaction,
+            table_settings=args.table_setting,
         )
     else:
         result = SCENES[args.scene].run(args.minutes, log)

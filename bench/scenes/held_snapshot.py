@@ -61,6 +61,7 @@ def run(
     on_release: str | None = None,
     database_settings: Sequence[str] = (),
     idle_in_transaction: bool = False,
+    table_settings: Sequence[str] = (),
 ) -> dict[str, Any]:
     """`offered_rate` (jobs/s) replaces half the saturated rate: the same
     absolute load as another run, when comparing two versions of the worker
@@ -76,7 +77,10 @@ def run(
     snapshot is released (say `REINDEX TABLE CONCURRENTLY jobs`), in the
     background so the scene's clock goes on: a remedy tried before building it.
     `idle_in_transaction`: the other session writes a row of its own table
-    and idles in that transaction instead of holding a snapshot."""
+    and idles in that transaction instead of holding a snapshot.
+    `table_settings` (`name=value`) are storage parameters set on the jobs
+    table after the migration (`ALTER TABLE jobs SET`): another value of one
+    the migration sets, tried before a schema step changes it."""
     extra = worker_args or []
     # The warm-up is not part of the clean baseline: with `--archive-after 60s`,
     # before the first done jobs are old enough to archive, the worker does
@@ -92,6 +96,13 @@ def run(
                 name, _, value = setting.partition("=")
                 conn.execute(
                     sql.SQL("ALTER DATABASE scene SET {} = {}").format(
+                        sql.Identifier(name), sql.Literal(value)
+                    )
+                )
+            for setting in table_settings:
+                name, _, value = setting.partition("=")
+                conn.execute(
+                    sql.SQL("ALTER TABLE jobs SET ({} = {})").format(
                         sql.Identifier(name), sql.Literal(value)
                     )
                 )
@@ -177,6 +188,7 @@ def run(
     result["hold_kind"] = "idle in transaction" if idle_in_transaction else "snapshot"
     result["server_settings"] = list(server_settings)
     result["database_settings"] = list(database_settings)
+    result["table_settings"] = list(table_settings)
     result["on_release"] = on_release
     result["watch"] = {
         "warm": base.watch_summary(watch.glimpses, 0, warm),
