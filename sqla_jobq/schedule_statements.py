@@ -9,7 +9,7 @@ which fire times have been enqueued.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy import (
@@ -47,6 +47,7 @@ def fire(
     queue: str = "default",
     priority: int = 0,
     max_attempts: int = 5,
+    lock_timeout: timedelta | None = None,
 ) -> TextualSelect:
     """Enqueue fire time `at` of schedule `name`, once; selects the new job's id.
 
@@ -62,18 +63,27 @@ def fire(
     fire's unique key is still active (the schedule row was deleted and the
     fire time came round again), that job's id is recorded and nothing is
     inserted. Selects no row when this fire time was already enqueued.
+
+    `lock_timeout` bounds the wait for the schedule's row, in the statement
+    (see `statements.waiting_at_most`): the row is inserted through a SELECT
+    whose one-time condition sets it before the row is touched.
     """
     if at.tzinfo is None:
         raise InvalidJob("a fire time must be timezone-aware")
     names = names_of(table)
+    waiting = ""
+    timeout: dict[str, str] = {}
+    if lock_timeout is not None:
+        waiting = "\n  WHERE (SELECT set_config('lock_timeout', :lock_timeout, true)) IS NOT NULL"
+        timeout["lock_timeout"] = f"{max(1, round(lock_timeout.total_seconds() * 1000))}ms"
     sql = f"""
 WITH fired AS (
   INSERT INTO {names.schedules_qualified} AS s (name, last_fire, last_job_id, updated_at)
-  VALUES (:name, :at, coalesce(
+  SELECT :name, :at, coalesce(
     (SELECT j.id FROM {names.qualified} j
      WHERE j.unique_key = :unique_key AND j.status IN ('queued', 'running')),
     nextval(CAST(pg_get_serial_sequence(:table, 'id') AS regclass))
-  ), now())
+  ), now(){waiting}
   ON CONFLICT (name) DO UPDATE
     SET last_fire = excluded.last_fire, last_job_id = excluded.last_job_id,
         updated_at = excluded.updated_at
@@ -101,6 +111,7 @@ RETURNING id
             bindparam("queue", queue, type_=Text),
             bindparam("priority", priority, type_=Integer),
             bindparam("max_attempts", max_attempts, type_=Integer),
+            *(bindparam(key, value, type_=Text) for key, value in timeout.items()),
         )
         .columns(id=BigInteger)
     )

@@ -11,20 +11,27 @@ database is left asleep until a fire time comes.
 The logic is written once, as a generator of statements (it yields each query
 and is sent its rows back), and run by `tick` on an async connection and by
 `tick_sync` on a sync one.
+
+A fire waits at most `FIRE_LOCK_TIMEOUT` for its schedule's row, which
+another worker's fire holds for a moment and another session (an admin's
+open transaction on the schedules table) may hold for long. Past that, the
+fire is left for HELD_RETRY and the tick goes on with the other schedules:
+the worker ticks on its claim connection, between claims, and a tick that
+failed would fail the claim after it, turn after turn.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Generator
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
 from psycopg.rows import tuple_row
 
 from . import periodic, schedule_statements
-from .db import Query, compiled
+from .db import LOCK_TIMEOUT_MS, Query, compiled
 from .registry import Registry
 
 log = logging.getLogger("sqla_jobq.scheduler")
@@ -32,6 +39,11 @@ log = logging.getLogger("sqla_jobq.scheduler")
 # A schedule row another worker created after our load's snapshot is missing
 # from its result; the next load sees it.
 LOAD_ATTEMPTS = 3
+# How long a fire waits on its schedule's row (in the statement itself, so it
+# holds behind a transaction-mode pooler too), and when a fire that gave up
+# on a held row is tried again.
+FIRE_LOCK_TIMEOUT = timedelta(milliseconds=LOCK_TIMEOUT_MS)
+HELD_RETRY = timedelta(seconds=1)
 
 Rows = list[tuple[Any, ...]]
 Steps = Generator[Query, Rows, datetime | None]
@@ -57,7 +69,11 @@ class Scheduler:
             query = next(steps)
             while True:
                 cur = conn.cursor(row_factory=tuple_row)
-                await cur.execute(*query)
+                try:
+                    await cur.execute(*query)
+                except psycopg.errors.LockNotAvailable as held:
+                    query = steps.throw(held)
+                    continue
                 query = steps.send(await cur.fetchall())
         except StopIteration as done:
             result: datetime | None = done.value
@@ -73,7 +89,11 @@ class Scheduler:
             query = next(steps)
             while True:
                 cur = conn.cursor(row_factory=tuple_row)
-                cur.execute(*query)
+                try:
+                    cur.execute(*query)
+                except psycopg.errors.LockNotAvailable as held:
+                    query = steps.throw(held)
+                    continue
                 query = steps.send(cur.fetchall())
         except StopIteration as done:
             result: datetime | None = done.value
@@ -87,7 +107,17 @@ class Scheduler:
             yield from self._load(now)
         for schedule in schedules.values():
             if self._next.get(schedule.name, now) <= now:
-                yield from self._fire(schedule, now)
+                try:
+                    yield from self._fire(schedule, now)
+                except psycopg.errors.LockNotAvailable as held:
+                    self._next[schedule.name] = now + HELD_RETRY
+                    log.warning(
+                        "periodic task %s: its schedule row is held by another session (%s); "
+                        "firing again in %.0fs",
+                        schedule.name,
+                        " ".join(str(held).split()),
+                        HELD_RETRY.total_seconds(),
+                    )
         return min(self._next.values())
 
     def _load(self, now: datetime) -> Generator[Query, Rows, None]:
@@ -113,6 +143,7 @@ class Scheduler:
                 queue=task.queue,
                 priority=task.priority,
                 max_attempts=task.max_attempts,
+                lock_timeout=FIRE_LOCK_TIMEOUT,
             )
             rows = yield compiled(stmt)
             # Ours or another worker's, this fire time is settled either way.

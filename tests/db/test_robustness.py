@@ -260,6 +260,45 @@ def test_heartbeats_go_on_while_a_completion_waits_on_another_sessions_row_lock(
     assert row(raw, table, long_id)["attempts"] == 1, "the long job lost its lease"
 
 
+def test_claims_go_on_while_another_session_holds_a_due_schedules_row(
+    engine: Engine, table: Table, raw: Raw, side: Side, database_url: str
+) -> None:
+    """The scheduler fires on the claim connection, between claims. A fire
+    waiting on a schedule row another session holds (an admin's open
+    transaction on the schedules table) used to fail the claim after it,
+    again at every turn, so the worker claimed nothing while the row was
+    held. A fire that meets a held row is tried again later; claims go on."""
+    registry = Registry(table)
+
+    @registry.task(name="tick", every=timedelta(seconds=1))
+    def tick() -> None:
+        side.record("tick")
+
+    @registry.task(name="quick")
+    def quick() -> None:
+        side.record("ran")
+
+    schedules = f'"{table.name}_schedules"'
+    with running(registry, database_url), psycopg.connect(conninfo(database_url)) as holder:
+        wait_until(lambda: _count(raw, table, "tick") >= 1, 10, "the first fire")
+        holder.execute(f"SELECT 1 FROM {schedules} WHERE name = 'tick' FOR UPDATE")
+        held = _count(raw, table, "tick")
+        time.sleep(2.5)  # two fire times come while the row is held
+        job_id = enqueue(engine, table, "quick")
+        wait_until(lambda: row(raw, table, job_id)["status"] == "done", 10, "quick done")
+        assert _count(raw, table, "tick") == held  # no fire while its row is held
+        holder.rollback()
+        wait_until(lambda: _count(raw, table, "tick") > held, 10, "the fires again")
+
+
+def _count(raw: Raw, table: Table, task: str) -> int:
+    found = raw.execute(
+        f"SELECT count(*) FROM {every_job(table, 'task')} WHERE task = %s", (task,)
+    ).fetchone()
+    assert found is not None
+    return int(found[0])
+
+
 def _compiled(stmt: Any) -> tuple[str, dict[str, Any]]:
     from sqlalchemy.dialects import postgresql
 

@@ -223,6 +223,38 @@ def test_tick_returns_the_next_fire_time_of_any_schedule(
     ]
 
 
+def test_a_fire_gives_up_on_a_held_schedule_row_alone_and_fires_once_it_is_free(
+    database_url: str, table: Table, raw: Raw
+) -> None:
+    """Another session holds one schedule's row (an admin's open transaction).
+    On a session whose own `lock_timeout` is 0 (behind PgBouncer, which drops
+    the worker's), the fire still gives up after its own 200 ms: that
+    schedule is retried a second later, the other one fires meanwhile, and
+    the held one fires once its row is free."""
+    registry = Registry(table)
+
+    @registry.task(name="held", every=timedelta(seconds=60))
+    def held() -> None: ...
+
+    @registry.task(name="free", every=timedelta(seconds=60))
+    def free() -> None: ...
+
+    scheduler = Scheduler(registry)
+    later = T0 + timedelta(seconds=61)
+    with connect(database_url) as conn, psycopg.connect(conninfo(database_url)) as holder:
+        conn.execute("SET lock_timeout = 0")
+        conn.execute("SET statement_timeout = '10s'")  # a guard: the fire must not need it
+        scheduler.tick_sync(conn, now=T0)  # creates both rows, fires nothing yet
+        holder.execute(f"SELECT 1 FROM \"{table.name}_schedules\" WHERE name = 'held' FOR UPDATE")
+        assert scheduler.tick_sync(conn, now=later) == later + timedelta(seconds=1)
+        assert [j["task"] for j in jobs_of(raw, table)] == ["free"]
+        holder.rollback()
+        assert scheduler.tick_sync(conn, now=later + timedelta(seconds=1)) == T0 + timedelta(
+            seconds=120
+        )
+    assert sorted(j["task"] for j in jobs_of(raw, table)) == ["free", "held"]
+
+
 def test_a_tick_with_nothing_due_sends_no_query(database_url: str, table: Table, raw: Raw) -> None:
     registry = Registry(table)
 
