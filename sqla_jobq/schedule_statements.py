@@ -30,6 +30,7 @@ from sqlalchemy.dialects.postgresql import ARRAY, TIMESTAMP
 
 from .job import InvalidJob, encode_payload
 from .schema import UNIQUE_WHERE, archive_table, names_of, schedules_table
+from .units import setting_ms
 
 
 def fire_key(name: str, at: datetime) -> str:
@@ -75,7 +76,7 @@ def fire(
     timeout: dict[str, str] = {}
     if lock_timeout is not None:
         waiting = "\n  WHERE (SELECT set_config('lock_timeout', :lock_timeout, true)) IS NOT NULL"
-        timeout["lock_timeout"] = f"{max(1, round(lock_timeout.total_seconds() * 1000))}ms"
+        timeout["lock_timeout"] = setting_ms(lock_timeout)
     sql = f"""
 WITH fired AS (
   INSERT INTO {names.schedules_qualified} AS s (name, last_fire, last_job_id, updated_at)

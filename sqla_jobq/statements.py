@@ -79,6 +79,7 @@ from .job import (
     error_text,
 )
 from .schema import STATUSES, UNIQUE_WHERE, archive_table, names_of, queues_table
+from .units import setting_ms
 
 # The builders, and what they take and refuse (`NewJob`, `InvalidJob`, from `job`).
 __all__ = [
@@ -770,8 +771,7 @@ def waiting_at_most(lock_timeout: timedelta | None) -> tuple[ColumnElement[bool]
     """
     if lock_timeout is None:
         return ()
-    milliseconds = max(1, round(lock_timeout.total_seconds() * 1000))
-    value = bindparam("lock_timeout", f"{milliseconds}ms", type_=Text)
+    value = bindparam("lock_timeout", setting_ms(lock_timeout), type_=Text)
     setting = func.set_config(literal_column("'lock_timeout'", Text), value, true())
     return (select(setting).scalar_subquery().is_not(None),)
 

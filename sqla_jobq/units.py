@@ -15,6 +15,12 @@ def iso(value: datetime | None) -> str | None:
     return None if value is None else value.isoformat()
 
 
+def setting_ms(duration: timedelta) -> str:
+    """A duration as a PostgreSQL time setting takes it (`'200ms'`), at least 1 ms:
+    0 would mean "no limit" to `lock_timeout`."""
+    return f"{max(1, round(duration.total_seconds() * 1000))}ms"
+
+
 def xids(value: int | None) -> str:
     return "-" if value is None else f"{value:,}"
 
