@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from datetime import timedelta
 from typing import Any
 
 import psycopg
@@ -53,9 +54,11 @@ IDLE_IN_TRANSACTION_TIMEOUT_MS = 60_000
 # No worker statement may wait long on a row lock another session holds:
 # heartbeats, hand-backs and the reaper skip locked rows; outcomes wait this
 # long (claimers hold a row they pass for a moment), then go round the row.
-# The outcome statements also carry it themselves (`statements.waiting_at_most`):
-# a transaction-mode pooler drops the startup options that set it here.
+# The statements that may wait (outcomes, periodic fires) also carry it
+# themselves as LOCK_TIMEOUT (`statements.waiting_at_most`): a
+# transaction-mode pooler drops the startup options that set it here.
 LOCK_TIMEOUT_MS = 200
+LOCK_TIMEOUT = timedelta(milliseconds=LOCK_TIMEOUT_MS)
 # A worker session that writes pages out of shared buffers (its VACUUM of a
 # heap a held snapshot grew, claims evicting pages of a heap larger than
 # shared_buffers) asks the kernel to write them back every this much, instead

@@ -27,7 +27,7 @@ from psycopg.types.json import set_json_loads
 from sqlalchemy import ClauseElement, Table
 
 from . import queue_statements, statements
-from .db import LOCK_TIMEOUT_MS, close_quietly, compiled, connect_kwargs, conninfo
+from .db import LOCK_TIMEOUT, close_quietly, compiled, connect_kwargs, conninfo
 from .job import error_text
 
 log = logging.getLogger("sqla_jobq.driver")
@@ -35,10 +35,6 @@ log = logging.getLogger("sqla_jobq.driver")
 
 Key = tuple[int, int]
 Row = dict[str, Any]
-
-# Outcomes wait this long on a row another session holds, in the statement
-# itself, behind a pooler too (see `statements.waiting_at_most`).
-OUTCOME_LOCK_TIMEOUT = timedelta(milliseconds=LOCK_TIMEOUT_MS)
 
 
 def raw_json(data: str | bytes) -> str:
@@ -123,7 +119,7 @@ def lifecycle_statements(
         ),
         **_completions(table),
         "fates": Compiled.of(statements.fates(table, none)),
-        "fail": Compiled.of(statements.fail(table, 0, 0, "", lock_timeout=OUTCOME_LOCK_TIMEOUT)),
+        "fail": Compiled.of(statements.fail(table, 0, 0, "", lock_timeout=LOCK_TIMEOUT)),
         "extend_leases": Compiled.of(statements.extend_leases(table, none, lease)),
         "hand_back": Compiled.of(statements.release_many(table, none, refund=False)),
         "refund": Compiled.of(statements.release_many(table, none, refund=True)),
@@ -144,10 +140,9 @@ def _completions(table: Table) -> dict[str, Compiled]:
     none: list[Key] = []
     builds = (("", statements.complete_many), ("_archiving", statements.complete_to_archive))
     given: tuple[tuple[str, list[str | None] | None], ...] = (("", None), ("_results", []))
-    timeout = OUTCOME_LOCK_TIMEOUT
     return {
         "complete" + where + results + skipping: Compiled.of(
-            build(table, none, values, skip_locked=bool(skipping), lock_timeout=timeout)
+            build(table, none, values, skip_locked=bool(skipping), lock_timeout=LOCK_TIMEOUT)
         )
         for (where, build), (results, values), skipping in product(
             builds, given, ("", "_skipping")

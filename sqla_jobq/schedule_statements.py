@@ -72,11 +72,10 @@ def fire(
     if at.tzinfo is None:
         raise InvalidJob("a fire time must be timezone-aware")
     names = names_of(table)
-    waiting = ""
-    timeout: dict[str, str] = {}
+    waiting, bounded = "", []
     if lock_timeout is not None:
         waiting = "\n  WHERE (SELECT set_config('lock_timeout', :lock_timeout, true)) IS NOT NULL"
-        timeout["lock_timeout"] = setting_ms(lock_timeout)
+        bounded.append(bindparam("lock_timeout", setting_ms(lock_timeout), type_=Text))
     sql = f"""
 WITH fired AS (
   INSERT INTO {names.schedules_qualified} AS s (name, last_fire, last_job_id, updated_at)
@@ -112,7 +111,7 @@ RETURNING id
             bindparam("queue", queue, type_=Text),
             bindparam("priority", priority, type_=Integer),
             bindparam("max_attempts", max_attempts, type_=Integer),
-            *(bindparam(key, value, type_=Text) for key, value in timeout.items()),
+            *bounded,
         )
         .columns(id=BigInteger)
     )

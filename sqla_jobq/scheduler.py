@@ -12,7 +12,7 @@ The logic is written once, as a generator of statements (it yields each query
 and is sent its rows back), and run by `tick` on an async connection and by
 `tick_sync` on a sync one.
 
-A fire waits at most `FIRE_LOCK_TIMEOUT` for its schedule's row, which
+A fire waits at most `db.LOCK_TIMEOUT` for its schedule's row, which
 another worker's fire holds for a moment and another session (an admin's
 open transaction on the schedules table) may hold for long. Past that, the
 fire is left for HELD_RETRY and the tick goes on with the other schedules:
@@ -31,7 +31,7 @@ import psycopg
 from psycopg.rows import tuple_row
 
 from . import periodic, schedule_statements
-from .db import LOCK_TIMEOUT_MS, Query, compiled
+from .db import LOCK_TIMEOUT, Query, compiled
 from .registry import Registry
 
 log = logging.getLogger("sqla_jobq.scheduler")
@@ -39,10 +39,7 @@ log = logging.getLogger("sqla_jobq.scheduler")
 # A schedule row another worker created after our load's snapshot is missing
 # from its result; the next load sees it.
 LOAD_ATTEMPTS = 3
-# How long a fire waits on its schedule's row (in the statement itself, so it
-# holds behind a transaction-mode pooler too), and when a fire that gave up
-# on a held row is tried again.
-FIRE_LOCK_TIMEOUT = timedelta(milliseconds=LOCK_TIMEOUT_MS)
+# When a fire that gave up on a held schedule row is tried again.
 HELD_RETRY = timedelta(seconds=1)
 
 Rows = list[tuple[Any, ...]]
@@ -143,7 +140,7 @@ class Scheduler:
                 queue=task.queue,
                 priority=task.priority,
                 max_attempts=task.max_attempts,
-                lock_timeout=FIRE_LOCK_TIMEOUT,
+                lock_timeout=LOCK_TIMEOUT,
             )
             rows = yield compiled(stmt)
             # Ours or another worker's, this fire time is settled either way.

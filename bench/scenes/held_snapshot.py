@@ -92,20 +92,8 @@ def run(
         with cluster.connect() as conn:
             conn.execute("CREATE TABLE app_rows (id int PRIMARY KEY, n int NOT NULL)")
             conn.execute("INSERT INTO app_rows VALUES (1, 0)")
-            for setting in database_settings:
-                name, _, value = setting.partition("=")
-                conn.execute(
-                    sql.SQL("ALTER DATABASE scene SET {} = {}").format(
-                        sql.Identifier(name), sql.Literal(value)
-                    )
-                )
-            for setting in table_settings:
-                name, _, value = setting.partition("=")
-                conn.execute(
-                    sql.SQL("ALTER TABLE jobs SET ({} = {})").format(
-                        sql.Identifier(name), sql.Literal(value)
-                    )
-                )
+            _apply(conn, "ALTER DATABASE scene SET {} = {}", database_settings)
+            _apply(conn, "ALTER TABLE jobs SET ({} = {})", table_settings)
         settings = cluster.settings()
         sat = base.saturated_rate(cluster, sat_jobs)
         offered = sat / 2 if offered_rate is None else offered_rate
@@ -203,6 +191,13 @@ def run(
         for s in seconds
     ]
     return result
+
+
+def _apply(conn: psycopg.Connection[Any], template: str, settings: Sequence[str]) -> None:
+    """Each `name=value` through `template`, the name quoted as an identifier."""
+    for setting in settings:
+        name, _, value = setting.partition("=")
+        conn.execute(sql.SQL(template).format(sql.Identifier(name), sql.Literal(value)))
 
 
 def _hold(holder: psycopg.Connection[Any], idle_in_transaction: bool) -> str:

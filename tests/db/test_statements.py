@@ -23,7 +23,7 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.exc import OperationalError
 
 from sqla_jobq import client, statements
-from sqla_jobq.driver import OUTCOME_LOCK_TIMEOUT as WORKER_LOCK_TIMEOUT
+from sqla_jobq.db import LOCK_TIMEOUT as WORKER_LOCK_TIMEOUT
 from sqla_jobq.statements import InvalidJob, NewJob
 
 SHORT_LEASE = timedelta(milliseconds=50)
