@@ -6,10 +6,11 @@ not with the work in flight. So, as River's job cleaner and Oban's pruner do
 by default, each worker moves `done` jobs out of it: as they complete, in
 the completion statement itself (`archive_after` 0, the default; see
 `at_completion`), and otherwise once they finished more than `archive_after`
-ago, with `statements.archive_from(..., statuses=["done"], skip_locked=True)`: one
-statement per batch of at most `BATCH` jobs, each its own transaction, each
-starting where the batch before it stopped in the heap, looping until a batch
-comes back short: a pass reads the table once. Moved, not deleted: the
+ago, with `statements.archive_done(..., skip_locked=True)`: one statement per
+batch of at most `BATCH` jobs, each its own transaction, each starting past
+the last id the batch before it moved, looping until a batch comes back
+short. A pass walks the done index (schema version 9), so it reads the done
+jobs it moves and not the rest of the table. Moved, not deleted: the
 archive keeps the history (`wait_for` and the dashboard read it), `jobq
 prune` trims it. Failed and cancelled jobs stay, since they are rare and
 they are what people act on.
@@ -41,7 +42,7 @@ import psycopg
 from sqlalchemy import Table
 
 from .db import close_quietly, compiled, connect_kwargs, conninfo
-from .statements import HEAP_START, archive_from
+from .statements import FIRST_ID, archive_done
 
 log = logging.getLogger("sqla_jobq.archive")
 
@@ -55,15 +56,14 @@ BATCH = 5_000
 # `archive_after`, never under MIN_INTERVAL (0 is SWEEP_INTERVAL, below). Each
 # pass leaves a dead row version per job it moved, all at once, until the
 # next VACUUM: at 9,000 jobs/s 5 s of jobs is 45,000 of them (bench.scenes
-# bloat-at-peak), 10 s would double that; each pass also reads the whole
-# heap once, which a shorter interval repeats.
+# bloat-at-peak), 10 s would double that.
 INTERVAL = 5.0
 MIN_INTERVAL = 1.0
 # Between two passes when the worker's completions move its jobs themselves
 # (`archive_after` 0: `statements.complete_to_archive`): a pass then only
 # sweeps up what finished otherwise (jobs someone waited on, completed in
 # place so their row trigger fires; jobs completed by an app's own
-# statements), and reads the whole heap to find them.
+# statements), found through the done index.
 SWEEP_INTERVAL = 30.0
 # After a pass that failed: the first wait, doubling up to BACKOFF_MAX.
 BACKOFF_START = 2.0
@@ -101,7 +101,7 @@ class Archiver:
         self.finished = finished
         self.qualified = table.fullname
         self.sql, self.params = compiled(
-            archive_from(table, older_than=timedelta(0), statuses=["done"], skip_locked=True)
+            archive_done(table, older_than=timedelta(0), skip_locked=True)
         )
         seconds = 0.0 if after is None else after.total_seconds()
         self.interval = (
@@ -208,9 +208,9 @@ class Archiver:
         params = {**self.params, "older_than": self.after, "limit": BATCH}
         started = time.monotonic()
         total = 0
-        reached = HEAP_START
+        reached: int | None = FIRST_ID
         while True:
-            cur = await conn.execute(self.sql, {**params, "from_tid": reached})
+            cur = await conn.execute(self.sql, {**params, "after_id": reached})
             row = await cur.fetchone()
             assert row is not None  # an aggregate: always one row
             count, reached = row

@@ -40,11 +40,17 @@ UNIQUE_WHERE = "unique_key IS NOT NULL AND status IN ('queued', 'running')"
 # but while a snapshot is held it keeps an entry for every job run since, and
 # completions fell to 50 ms each (bench.scenes held-snapshot).
 RUNNING_WHERE = "status = 'running' AND locked_until IS NOT NULL"
+# The done index's predicate (schema step 9): the done jobs still in the
+# table, which only the archiver's sweep looks for. With archiving at
+# completion (the default) they are few, so the index is small; its only key,
+# `id`, never changes, and `status` is in every other partial index's
+# predicate already, so it makes no update that was HOT non-HOT.
+DONE_WHERE = "status = 'done'"
 
 # The schema version this code needs. The migrations record the version they
 # applied as the table's comment (as Oban does), so a worker can refuse to run
 # on a missing or outdated table, and a custom-named table carries its own.
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 # The version of the step that last changed the archive table's shape. Its
 # comment carries it, so a host's `include_object` recognises the archive too.
 ARCHIVE_VERSION = 5
@@ -151,6 +157,11 @@ class Names:
     @property
     def unique_index(self) -> str:
         return f"{self.table}_unique_key_idx"
+
+    @property
+    def done_index(self) -> str:
+        """Partial index on the done jobs still in the table, for the archiver's sweep."""
+        return f"{self.table}_done_idx"
 
     @property
     def status_check(self) -> str:
@@ -350,6 +361,7 @@ def jobs_table(metadata: MetaData, name: str = "jobs", schema: str | None = None
             unique=True,
             postgresql_where=text(UNIQUE_WHERE),
         ),
+        Index(names.done_index, "id", postgresql_where=text(DONE_WHERE)),
         schema=schema,
         comment=version_comment(SCHEMA_VERSION),
         # So `metadata.create_all` builds the table steps 6 and 8 leave (SQLAlchemy 2.1+).

@@ -65,7 +65,6 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.sql.dml import ReturningInsert
 from sqlalchemy.sql.elements import BindParameter, Grouping, quoted_name
 from sqlalchemy.sql.functions import Function
-from sqlalchemy.types import UserDefinedType
 
 from .job import (
     MAX_KEY_BYTES,
@@ -1171,51 +1170,40 @@ def _copy(table: Table, moved: CTE, values: dict[str, Any] | None = None) -> Ins
     return insert(target).from_select(columns, select(*copied))
 
 
-class _Tid(UserDefinedType[str]):
-    """PostgreSQL's `tid`: where a row version is stored, (page, item)."""
-
-    cache_ok = True
-
-    def get_col_spec(self, **kw: Any) -> str:
-        return "tid"
+# Where a pass of `archive_done` batches starts: before every id.
+FIRST_ID = 0
 
 
-# Where a heap scan starts: the first item of the first page.
-HEAP_START = "(0,0)"
-
-
-def archive_from(
+def archive_done(
     table: Table,
     *,
     older_than: timedelta,
     limit: int = 10000,
-    statuses: Sequence[str] = FINISHED_STATUSES,
     skip_locked: bool = False,
-) -> Select[int, str | None]:
-    """`archive`, for a caller that moves a whole table's worth in batches: the
-    batch looks only at rows stored at or past the heap position `from_tid`
-    (`tid` as text, HEAP_START for the first batch) and returns ``(moved,
-    reached)``, how many it moved and where the last of them was stored, the
-    next batch's `from_tid` (NULL when it moved none).
+) -> Select[int, int | None]:
+    """`archive` of done jobs, for a caller that moves a whole table's worth
+    in batches: the batch takes done jobs with ids past `after_id` (FIRST_ID
+    for the first), in id order, and returns ``(moved, reached)``, how many it
+    moved and the last id among them, the next batch's `after_id` (NULL when
+    it moved none).
 
-    A plain `archive` batch scans the table from its first page, stepping
-    over the dead versions of every row the batches before it moved; while a
-    snapshot holds them (a long report, a session idle in transaction) they
-    are never cleaned up, and a pass of n batches steps over them n times. A
-    pass of `archive_from` batches reads the heap once (a TID Range Scan,
-    PostgreSQL 14 and later). Rows stored before the position (a row updated
-    into free space on an earlier page) wait for the next pass, which starts
-    at HEAP_START again.
+    It walks the done index (`Names.done_index`, schema version 9), which
+    holds only the done jobs still in the table, so a pass costs what it
+    moves, not what the table holds. Found by reading the heap, every pass
+    read the whole table: the failed jobs kept for inspection and, after a
+    held snapshot, hundreds of MB of dead space, through shared buffers (a
+    TID range scan gets no ring, unlike a sequential scan), pushing out the
+    pages claims need. The position keeps a batch from stepping again over
+    the index entries of jobs the batches before it moved, which stay until
+    VACUUM may remove them. A job skipped while another session held it
+    waits for the next pass, which starts at FIRST_ID again.
     """
-    heap_tid = literal_column("ctid", _Tid())
-    start = cast(bindparam("from_tid", HEAP_START, type_=Text), _Tid())
-    batch = _finished_batch(table, older_than, limit, statuses, skip_locked, heap_tid >= start)
-    moved = (
-        table.delete().where(batch).returning(*table.c, heap_tid.label("heap_tid")).cte("moved")
+    after = table.c.id > bindparam("after_id", FIRST_ID, type_=BigInteger)
+    batch = _finished_batch(table, older_than, limit, ["done"], skip_locked, after, ordered=True)
+    moved = table.delete().where(batch).returning(*table.c).cte("moved")
+    return select(func.count().label("moved"), func.max(moved.c.id).label("reached")).add_cte(
+        _copy(table, moved).cte("copied")
     )
-    return select(
-        func.count().label("moved"), cast(func.max(moved.c.heap_tid), Text).label("reached")
-    ).add_cte(_copy(table, moved).cte("copied"))
 
 
 def prune_archive(
@@ -1271,6 +1259,7 @@ def _finished_batch(
     statuses: Sequence[str],
     skip_locked: bool = False,
     *where: ColumnElement[bool],
+    ordered: bool = False,
 ) -> ColumnElement[bool]:
     """`id = ANY(ARRAY(one batch of old finished jobs))`, and the same test again on the row.
 
@@ -1292,6 +1281,8 @@ def _finished_batch(
     victims = (
         select(c.id).where(old_finished, *where).limit(bindparam("limit", limit, type_=Integer))
     )
+    if ordered:
+        victims = victims.order_by(c.id)
     if skip_locked:
         victims = victims.with_for_update(skip_locked=True)
     return and_(_id_among(c.id, victims), old_finished)

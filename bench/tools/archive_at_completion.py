@@ -9,7 +9,7 @@ with `--jobs` ready no-op jobs and drains it with `jobq worker -c 8 --burst`;
 the rate is the server's (first claim to last completion). In place, the
 drain leaves its jobs `done` in the jobs table for a pass to move a minute
 later, work a drain's clock never sees, so that pass is run and timed too
-(`bench.tools.archive_pass.resumed`: `statements.archive_from` in batches
+(`bench.tools.archive_pass.resumed`: `statements.archive_done` in batches
 of `archiving.BATCH`, as the archiver runs them) and the in-place kind is
 also reported with it: the same work done both ways. Reported: each
 figure's median over the rounds, and the ratios.

@@ -1,8 +1,8 @@
 """`python -m bench.tools.archive_pass`: one archiver pass late in a held snapshot.
 
-Not part of the suite. What resuming each batch where the last one stopped
-(`statements.archive_from`) buys against batches that each scan the table
-from its first page (`statements.archive`, the archiver before it), in the
+Not part of the suite. What resuming each batch past the last id the one before it moved
+(`statements.archive_done`, through the done index) buys against batches that
+each start from the beginning (`statements.archive`, the archiver before it), in the
 state `bench.scenes held-snapshot` leaves a table in after minutes of a hold.
 Two queue tables get the same `--jobs` queued jobs; another session takes a
 REPEATABLE READ snapshot and holds it; every job is then claimed and
@@ -19,17 +19,16 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import psycopg
-from sqlalchemy import MetaData
+from sqlalchemy import MetaData, Table
 
 from sqla_jobq.archiving import BATCH
 from sqla_jobq.db import compiled
 from sqla_jobq.schema import jobs_table
-from sqla_jobq.statements import HEAP_START, archive, archive_from
+from sqla_jobq.statements import FIRST_ID, archive, archive_done
 
 from .. import common
 
@@ -38,8 +37,8 @@ OLDER_THAN = timedelta(minutes=1)
 
 
 def from_first_page(conn: Conn, table: str) -> int:
-    """The archiver before: every batch scans the table from its first page."""
-    sql, params = compiled(_build(archive, table))
+    """The archiver before: every batch starts from the beginning."""
+    sql, params = compiled(archive(_jobs(table), **_batch(), statuses=["done"]))
     total = 0
     while (count := conn.execute(sql, params).rowcount) > 0:
         total += count
@@ -49,12 +48,12 @@ def from_first_page(conn: Conn, table: str) -> int:
 
 
 def resumed(conn: Conn, table: str, older_than: timedelta = OLDER_THAN) -> int:
-    """The archiver now: every batch starts where the one before it stopped."""
-    sql, params = compiled(_build(archive_from, table, older_than))
+    """The archiver now: every batch starts past the last id the one before it moved."""
+    sql, params = compiled(archive_done(_jobs(table), **_batch(older_than)))
     total = 0
-    reached = HEAP_START
+    reached = FIRST_ID
     while True:
-        row = conn.execute(sql, {**params, "from_tid": reached}).fetchone()
+        row = conn.execute(sql, {**params, "after_id": reached}).fetchone()
         assert row is not None  # an aggregate: always one row
         count, reached = int(row[0]), row[1]
         total += count
@@ -62,9 +61,12 @@ def resumed(conn: Conn, table: str, older_than: timedelta = OLDER_THAN) -> int:
             return total
 
 
-def _build(builder: Callable[..., Any], table: str, older_than: timedelta = OLDER_THAN) -> Any:
-    jobs = jobs_table(MetaData(), name=table)
-    return builder(jobs, older_than=older_than, limit=BATCH, statuses=["done"], skip_locked=True)
+def _jobs(table: str) -> Table:
+    return jobs_table(MetaData(), name=table)
+
+
+def _batch(older_than: timedelta = OLDER_THAN) -> dict[str, Any]:
+    return {"older_than": older_than, "limit": BATCH, "skip_locked": True}
 
 
 def _enqueue(conn: Conn, table: str, jobs: int) -> None:

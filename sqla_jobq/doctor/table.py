@@ -173,6 +173,7 @@ def _index_roles(names: Names) -> dict[str, str]:
         names.claim_index: "every `claim` scans the whole table instead of the ready rows",
         names.running_index: "the reaper scans the whole table",
         names.unique_index: "enqueue with a unique_key fails (ON CONFLICT finds no index)",
+        names.done_index: "each archiver pass reads the whole table to find done jobs",
     }
 
 

@@ -313,6 +313,33 @@ def test_step_8_turns_truncation_off_on_the_jobs_table_alone_and_down_turns_it_b
 STEP_8_RELOPTION = "vacuum_truncate=off"
 
 
+def test_step_9_indexes_the_done_jobs_left_in_the_table_and_down_drops_the_index(
+    fresh_db: str,
+) -> None:
+    alembic(REPO_ROOT, "upgrade", "sqla_jobq_0008", url=fresh_db)
+    with psycopg.connect(conninfo(fresh_db), autocommit=True) as conn:
+        conn.execute("INSERT INTO jobs (payload, status) VALUES ('{}', 'done'), ('{}', 'failed')")
+    done_index = "SELECT pg_get_indexdef(to_regclass('jobs_done_idx'))"
+    assert value(fresh_db, done_index) is None
+
+    alembic(REPO_ROOT, "upgrade", "sqla_jobq_0009", url=fresh_db)
+    assert value(fresh_db, done_index) == (
+        "CREATE INDEX jobs_done_idx ON public.jobs USING btree (id) WHERE (status = 'done'::text)"
+    )
+    assert table_comment(fresh_db, "jobs") == "sqla_jobq schema version 9"
+    with psycopg.connect(conninfo(fresh_db), autocommit=True) as conn:
+        conn.execute("SET enable_seqscan = off")
+        conn.execute("SET enable_bitmapscan = off")
+        done = "SELECT id FROM jobs WHERE status = 'done' ORDER BY id"
+        plan = "\n".join(str(r[0]) for r in conn.execute(f"EXPLAIN {done}"))
+        assert "using jobs_done_idx" in plan, plan
+        assert conn.execute(done).fetchall() == [(1,)]
+
+    alembic(REPO_ROOT, "downgrade", "sqla_jobq_0008", url=fresh_db)
+    assert value(fresh_db, done_index) is None
+    assert table_comment(fresh_db, "jobs") == "sqla_jobq schema version 8"
+
+
 def test_a_fresh_table_at_the_latest_version_has_exactly_the_settings_of_steps_6_and_8(
     fresh_db: str,
 ) -> None:

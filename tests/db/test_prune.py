@@ -22,6 +22,7 @@ import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import Engine, MetaData, Table, func, select, text
+from sqlalchemy.dialects import postgresql
 from sqlalchemy.sql.dml import Delete, Insert
 
 from sqla_jobq import client, statements
@@ -29,6 +30,7 @@ from sqla_jobq.db import conninfo
 from sqla_jobq.migrations.steps import down_statements, up_statements
 from sqla_jobq.schema import archive_table, jobs_table, names_of
 from sqla_jobq.statements import InvalidJob, NewJob
+from tests.db.test_statements import dollar_params
 
 Raw = psycopg.Connection[tuple[object, ...]]
 Build = Callable[..., Delete | Insert]
@@ -515,77 +517,112 @@ def test_cli_prune_on_a_missing_table_is_a_user_error(database_url: str) -> None
     assert "jobq migrate" in done.stderr and len(done.stderr.strip().splitlines()) == 1
 
 
-# --- archive, resumed at a heap position --------------------------------------------
+# --- done jobs archived in batches, each past the last -------------------------------
 
 
-def _archive_from(
-    engine: Engine, table: Table, limit: int, from_tid: str
-) -> tuple[int, str | None]:
-    stmt = statements.archive_from(table, older_than=timedelta(days=7), limit=limit)
+def _archive_done(
+    engine: Engine, table: Table, limit: int, after_id: int
+) -> tuple[int, int | None]:
+    stmt = statements.archive_done(table, older_than=timedelta(days=7), limit=limit)
     with engine.begin() as conn:
-        moved, reached = conn.execute(stmt, {"from_tid": from_tid}).one()
+        moved, reached = conn.execute(stmt, {"after_id": after_id}).one()
     return int(moved), reached
 
 
-def _heap_order(raw: Raw, table: Table, ids: list[int]) -> list[tuple[int, str]]:
-    rows = raw.execute(
-        f'SELECT id, ctid::text FROM "{table.name}" WHERE id = ANY(%s) ORDER BY ctid'.encode(),
-        (ids,),
-    ).fetchall()
-    return [(int(str(i)), str(t)) for i, t in rows]
-
-
-def test_resumed_archive_batches_take_rows_in_heap_order_each_from_where_the_last_stopped(
+def test_resumed_done_batches_take_old_done_jobs_in_id_order_each_past_where_the_last_stopped(
     engine: Engine, table: Table, raw: Raw, seeded: Seeded
 ) -> None:
-    """The archiver's pass: every batch starts where the one before it
-    stopped, so a pass reads the heap once, not once per batch."""
-    order = _heap_order(raw, table, seeded.old_finished)
-    assert _archive_from(engine, table, 10, "(0,0)") == (10, order[9][1])
-    assert ids_in(raw, archive_name(table)) == sorted(i for i, _ in order[:10])
-    assert _archive_from(engine, table, 10, order[9][1]) == (10, order[19][1])
-    assert _archive_from(engine, table, 10, order[19][1]) == (7, order[26][1])
-    assert _archive_from(engine, table, 10, order[26][1]) == (0, None)
-    assert ids_in(raw, table.name) == seeded.kept
-    assert ids_in(raw, archive_name(table)) == seeded.old_finished
+    """The archiver's pass: every batch starts past the last id the one
+    before it moved, so no batch steps again over what an earlier one moved."""
+    done = sorted(seeded.old_done)
+    assert _archive_done(engine, table, 10, statements.FIRST_ID) == (10, done[9])
+    assert ids_in(raw, archive_name(table)) == done[:10]
+    assert _archive_done(engine, table, 10, done[9]) == (10, done[19])
+    assert _archive_done(engine, table, 10, done[19]) == (3, done[22])
+    assert _archive_done(engine, table, 10, done[22]) == (0, None)
+    assert ids_in(raw, table.name) == sorted(seeded.kept + seeded.old_failed)
+    assert ids_in(raw, archive_name(table)) == done
 
 
-def test_a_resumed_batch_leaves_rows_stored_before_its_position_to_a_pass_from_the_start(
+def test_a_resumed_done_batch_leaves_jobs_before_its_position_to_a_pass_from_the_start(
     engine: Engine, table: Table, raw: Raw, seeded: Seeded
 ) -> None:
-    order = _heap_order(raw, table, seeded.old_finished)
-    last_id, last_tid = order[-1]
-    assert _archive_from(engine, table, 100, last_tid) == (1, last_tid)
-    assert ids_in(raw, archive_name(table)) == [last_id]
-    assert _archive_from(engine, table, 100, "(0,0)") == (26, order[-2][1])
-    assert ids_in(raw, archive_name(table)) == seeded.old_finished
+    done = sorted(seeded.old_done)
+    assert _archive_done(engine, table, 100, done[-2]) == (1, done[-1])
+    assert ids_in(raw, archive_name(table)) == [done[-1]]
+    assert _archive_done(engine, table, 100, statements.FIRST_ID) == (22, done[-2])
+    assert ids_in(raw, archive_name(table)) == done
 
 
-def test_a_resumed_batch_scans_the_heap_from_its_position_not_from_the_first_page(
+def _failed_history(raw: Raw, table: Table, n: int) -> None:
+    raw.execute(
+        f'INSERT INTO "{table.name}" (payload, status, attempts, last_error, finished_at) '
+        "SELECT jsonb_build_object('i', g), 'failed', 5, 'boom', now() - interval '1 day' "
+        f"FROM generate_series(1, {n}) AS g".encode()
+    )
+
+
+def test_a_done_batch_reads_the_done_jobs_alone_not_the_table_around_them(
     engine: Engine, table: Table, raw: Raw
 ) -> None:
-    """During a held snapshot the pages before the position hold only the
-    dead versions of rows moved already: a batch that started at page 0
-    stepped over all of them again, every batch (0.4 s each in the scene)."""
-    _old_done(engine, table, raw, 2000)
+    """The sweep looks for the few done jobs that completions did not move.
+    Found by reading the heap, every sweep read the whole table: failed jobs
+    kept for inspection, or the dead space a held snapshot leaves behind, read
+    through shared buffers without the ring a sequential scan gets (a TID
+    range scan has none), so it pushed out the pages claims need: a pickup
+    spike every 30 s after a held snapshot. Through the done index a batch
+    reads what it moves."""
+    _failed_history(raw, table, 30_000)
+    done = _old_done(engine, table, raw, 5)
     raw.execute(f'VACUUM ANALYZE "{table.name}"'.encode())
     pages = raw.execute(
         f"SELECT relpages FROM pg_class WHERE oid = '\"{table.name}\"'::regclass".encode()
     ).fetchone()
-    assert pages is not None and pages[0] > 4
-    middle = f"({pages[0] // 2},0)"
-    stmt = statements.archive_from(table, older_than=timedelta(minutes=1), limit=50)
+    assert pages is not None and pages[0] > 200
+    stmt = statements.archive_done(
+        table, older_than=timedelta(minutes=1), limit=50, skip_locked=True
+    )
     with engine.connect() as conn, conn.begin() as tx:
         compiled = stmt.compile(dialect=conn.dialect)
         plan = conn.exec_driver_sql(
-            f"EXPLAIN (ANALYZE, FORMAT JSON) {compiled.string}",
-            {**compiled.params, "from_tid": middle},
+            f"EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {compiled.string}",
+            {**compiled.params, "after_id": statements.FIRST_ID},
         ).scalar_one()
         tx.rollback()
     text = json.dumps(plan)
-    victims = [n for n in _plan_nodes(plan[0]["Plan"]) if n["Node Type"] == "Tid Range Scan"]
-    assert len(victims) == 1, text
-    assert victims[0]["Actual Rows"] == 50, text
+    nodes = list(_plan_nodes(plan[0]["Plan"]))
+    scans = [n for n in nodes if n.get("Index Name")]
+    assert {n["Index Name"] for n in scans} == {names_of(table).done_index}, text
+    assert all(n["Actual Rows"] == len(done) for n in scans), text
+    reads = {"Seq Scan", "Tid Range Scan", "Bitmap Heap Scan"}
+    assert not [n for n in nodes if n["Node Type"] in reads], text
+    touched = plan[0]["Plan"]["Shared Hit Blocks"] + plan[0]["Plan"]["Shared Read Blocks"]
+    assert touched < pages[0] // 4, (touched, pages[0], text)
+
+
+def test_a_done_batch_walks_the_done_index_in_the_generic_plan_a_prepared_statement_gets(
+    engine: Engine, table: Table, raw: Raw
+) -> None:
+    _failed_history(raw, table, 30_000)
+    _old_done(engine, table, raw, 5)
+    raw.execute(f'ANALYZE "{table.name}"'.encode())
+    stmt = statements.archive_done(table, older_than=timedelta(0), limit=5000, skip_locked=True)
+    compiled = stmt.compile(dialect=postgresql.psycopg.dialect())
+    sql, order = dollar_params(str(compiled))
+    values = {"older_than": "interval '0'", "limit": "5000", "after_id": "0"}
+    types = {"older_than": "interval", "limit": "integer", "after_id": "bigint"}
+    with engine.connect() as conn:
+        conn.exec_driver_sql("SET plan_cache_mode = force_generic_plan")
+        declared = ", ".join(types[name] for name in order)
+        conn.exec_driver_sql(f"PREPARE done_batch ({declared}) AS {sql}")
+        args = ", ".join(values[name] for name in order)
+        plan = "\n".join(
+            conn.exec_driver_sql(f"EXPLAIN (COSTS OFF) EXECUTE done_batch({args})").scalars()
+        )
+        conn.rollback()
+    assert f"Index Scan using {names_of(table).done_index}" in plan, plan
+    assert "$" in plan, plan  # the generic plan: the position is still a parameter
+    assert "Seq Scan" not in plan and "Tid Range Scan" not in plan, plan
 
 
 def test_two_archivers_resuming_their_own_passes_at_once_move_each_job_exactly_once(
@@ -595,16 +632,16 @@ def test_two_archivers_resuming_their_own_passes_at_once_move_each_job_exactly_o
     row one of them skips is locked by the other, which moves it. When both
     passes have ended, every job is in the archive once and none is left."""
     ids = _old_done(engine, table, raw, 3000)
-    stmt = statements.archive_from(
-        table, older_than=timedelta(minutes=1), limit=100, statuses=["done"], skip_locked=True
+    stmt = statements.archive_done(
+        table, older_than=timedelta(minutes=1), limit=100, skip_locked=True
     )
     moved: list[list[int]] = [[], []]
 
     def one_pass(mine: list[int]) -> None:
-        reached = statements.HEAP_START
+        reached: int | None = statements.FIRST_ID
         while True:
             with engine.begin() as conn:
-                count, reached = conn.execute(stmt, {"from_tid": reached}).one()
+                count, reached = conn.execute(stmt, {"after_id": reached}).one()
             mine.append(count)
             if count < 100:
                 return
