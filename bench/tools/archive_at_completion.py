@@ -13,6 +13,10 @@ later, work a drain's clock never sees, so that pass is run and timed too
 of `archiving.BATCH`, as the archiver runs them) and the in-place kind is
 also reported with it: the same work done both ways. Reported: each
 figure's median over the rounds, and the ratios.
+
+`--done-index-cost` instead measures what the done index (schema version 9)
+costs the completions that put entries in it: in-place drains with it
+against the same drains with it dropped, the order alternating by round.
 """
 
 from __future__ import annotations
@@ -20,7 +24,15 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
+
+from sqlalchemy import MetaData
+from sqlalchemy.dialects import postgresql
+from sqlalchemy.schema import CreateIndex
+
+from sqla_jobq.schema import jobs_table, names_of
 
 from .. import common
 from ..scenes import base
@@ -61,13 +73,65 @@ def one_round(cluster: base.Cluster, jobs: int, first: str) -> dict[str, float]:
     return out
 
 
+@contextmanager
+def without_done_index(cluster: base.Cluster) -> Iterator[None]:
+    """The jobs table without its done index, rebuilt from the schema after."""
+    jobs = jobs_table(MetaData())
+    (index,) = (i for i in jobs.indexes if i.name == names_of(jobs).done_index)
+    with cluster.connect() as conn:
+        conn.execute(f'DROP INDEX "{index.name}"')
+    try:
+        yield
+    finally:
+        with cluster.connect() as conn:
+            conn.execute(str(CreateIndex(index).compile(dialect=postgresql.dialect())))
+
+
+def done_index_round(cluster: base.Cluster, jobs: int, first: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for kind in sorted(("with", "without"), key=lambda k: k != first):
+        if kind == "with":
+            out[kind] = jobs / drain(cluster, jobs, KINDS["in_place"])
+        else:
+            with without_done_index(cluster):
+                out[kind] = jobs / drain(cluster, jobs, KINDS["in_place"])
+    return out
+
+
+def done_index_cost(jobs: int, rounds: int) -> int:
+    runs: list[dict[str, float]] = []
+    with base.throwaway_cluster() as cluster:
+        for n in range(rounds):
+            first = "with" if n % 2 == 0 else "without"
+            runs.append(done_index_round(cluster, jobs, first))
+            print(
+                f"round {n + 1} ({first} first): in place with the done index "
+                f"{runs[-1]['with']:,.0f} jobs/s, without {runs[-1]['without']:,.0f}",
+                flush=True,
+            )
+    ratios = [r["with"] / r["without"] for r in runs]
+    print(
+        f"median of {rounds} rounds of {jobs:,} jobs, -c 8 --burst, completed in place: "
+        f"with the done index {statistics.median(ratios):.2f}x of without it "
+        f"(per round {', '.join(f'{x:.2f}x' for x in ratios)})"
+    )
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         prog="python -m bench.tools.archive_at_completion", description=__doc__
     )
     parser.add_argument("--jobs", type=int, default=20_000)
     parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument(
+        "--done-index-cost",
+        action="store_true",
+        help="in-place drains with the done index against the same without it",
+    )
     args = parser.parse_args()
+    if args.done_index_cost:
+        return done_index_cost(args.jobs, args.rounds)
     rounds: list[dict[str, float]] = []
     with base.throwaway_cluster() as cluster:
         for n in range(args.rounds):
