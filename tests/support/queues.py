@@ -6,7 +6,7 @@ import psycopg
 
 from sqla_jobq.db import conninfo
 from sqla_jobq.migrations.steps import LATEST, down_statements, up_statements
-from sqla_jobq.schema import Names
+from sqla_jobq.schema import Names, parse_version_comment
 
 
 def create_queue_table(database_url: str, names: Names) -> None:
@@ -18,6 +18,11 @@ def create_queue_table(database_url: str, names: Names) -> None:
 
 
 def drop_queue_table(database_url: str, names: Names) -> None:
+    """Down from the version the table is at (a test may have left it older)."""
     with psycopg.connect(conninfo(database_url), autocommit=True) as conn:
-        for sql in down_statements(names, LATEST, 0):
+        row = conn.execute(
+            "SELECT obj_description(to_regclass(%s), 'pg_class')", [names.qualified]
+        ).fetchone()
+        current = parse_version_comment(row[0] if row else None) or LATEST
+        for sql in down_statements(names, current, 0):
             conn.execute(sql.encode())
