@@ -41,7 +41,8 @@ UNIQUE_WHERE = "unique_key IS NOT NULL AND status IN ('queued', 'running')"
 # completions fell to 50 ms each (bench.scenes held-snapshot).
 RUNNING_WHERE = "status = 'running' AND locked_until IS NOT NULL"
 # The done index's predicate (schema step 9): the done jobs still in the
-# table, which only the archiver's sweep looks for. With archiving at
+# table, which the archiver's sweep looks for (the dashboard's list of done
+# jobs walks it too). With archiving at
 # completion (the default) they are few, so the index is small; its only key,
 # `id`, never changes, and `status` is in every other partial index's
 # predicate already, so it makes no update that was HOT non-HOT.

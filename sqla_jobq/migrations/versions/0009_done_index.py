@@ -20,8 +20,9 @@ adds none. No update that was HOT becomes non-HOT: `id` never changes, and
 `status` is in the other partial indexes' predicates already.
 
 The build reads the whole table under a SHARE lock: reads go on, enqueues,
-claims and completions wait for it (about 0.1 s per million rows on a 2-core
-VM, as step 7's). Downgrading drops the index.
+claims and completions wait for it (step 7's build, of a wider index, took
+about 0.1 s per million rows on a 2-core VM). Prune or archive a long
+history first to keep that short. Downgrading drops the index.
 """
 
 from alembic import op
