@@ -77,6 +77,13 @@ def main() -> int:
         "(repeatable), e.g. --table-setting=autovacuum_vacuum_cost_delay=2",
     )
     parser.add_argument(
+        "--archive-setting",
+        action="append",
+        default=[],
+        help="held-snapshot: ALTER TABLE jobs_archive SET (name = value) after the "
+        "migration (repeatable), e.g. --archive-setting=autovacuum_vacuum_cost_delay=10",
+    )
+    parser.add_argument(
         "--on-release",
         default=None,
         help="held-snapshot: a statement another session runs in autocommit as the "
@@ -104,6 +111,7 @@ def main() -> int:
             database_settings=args.database_setting,
             idle_in_transaction=args.idle_in_transaction,
             table_settings=args.table_setting,
+            archive_settings=args.archive_setting,
         )
     else:
         result = SCENES[args.scene].run(args.minutes, log)

@@ -62,6 +62,7 @@ def run(
     database_settings: Sequence[str] = (),
     idle_in_transaction: bool = False,
     table_settings: Sequence[str] = (),
+    archive_settings: Sequence[str] = (),
 ) -> dict[str, Any]:
     """`offered_rate` (jobs/s) replaces half the saturated rate: the same
     absolute load as another run, when comparing two versions of the worker
@@ -80,7 +81,8 @@ def run(
     and idles in that transaction instead of holding a snapshot.
     `table_settings` (`name=value`) are storage parameters set on the jobs
     table after the migration (`ALTER TABLE jobs SET`): another value of one
-    the migration sets, tried before a schema step changes it."""
+    the migration sets, tried before a schema step changes it;
+    `archive_settings` the same for `jobs_archive`."""
     extra = worker_args or []
     # The warm-up is not part of the clean baseline: with `--archive-after 60s`,
     # before the first done jobs are old enough to archive, the worker does
@@ -94,6 +96,7 @@ def run(
             conn.execute("INSERT INTO app_rows VALUES (1, 0)")
             _apply(conn, "ALTER DATABASE scene SET {} = {}", database_settings)
             _apply(conn, "ALTER TABLE jobs SET ({} = {})", table_settings)
+            _apply(conn, "ALTER TABLE jobs_archive SET ({} = {})", archive_settings)
         settings = cluster.settings()
         sat = base.saturated_rate(cluster, sat_jobs)
         offered = sat / 2 if offered_rate is None else offered_rate
@@ -177,6 +180,7 @@ def run(
     result["server_settings"] = list(server_settings)
     result["database_settings"] = list(database_settings)
     result["table_settings"] = list(table_settings)
+    result["archive_settings"] = list(archive_settings)
     result["on_release"] = on_release
     result["watch"] = {
         "warm": base.watch_summary(watch.glimpses, 0, warm),
