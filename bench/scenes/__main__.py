@@ -89,6 +89,13 @@ def main() -> int:
         help="held-snapshot: a statement another session runs in autocommit as the "
         "snapshot is released, e.g. --on-release='REINDEX TABLE CONCURRENTLY jobs'",
     )
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        help="many-workers: jobs per drain instead of 20,000 (a longer drain, a steadier rate)",
+    )
+    parser.add_argument("--rounds", type=int, default=3, help="many-workers: rounds, interleaved")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
 
@@ -113,6 +120,8 @@ def main() -> int:
             table_settings=args.table_setting,
             archive_settings=args.archive_setting,
         )
+    elif args.scene == "many-workers":
+        result = many_workers.run(args.minutes, log, args.rounds, args.jobs)
     else:
         result = SCENES[args.scene].run(args.minutes, log)
     result["command"] = " ".join(["python -m bench.scenes", *sys.argv[1:]])
