@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import psycopg
+from sqlalchemy import create_engine, text
+from sqlalchemy.pool import NullPool
 
-from sqla_jobq.db import conninfo
+from sqla_jobq.db import conninfo, sqlalchemy_url
+from sqla_jobq.migrations.check import schema_version
 from sqla_jobq.migrations.steps import LATEST, down_statements, up_statements
-from sqla_jobq.schema import Names, parse_version_comment
+from sqla_jobq.schema import Names
 
 
 def create_queue_table(database_url: str, names: Names) -> None:
@@ -19,10 +22,10 @@ def create_queue_table(database_url: str, names: Names) -> None:
 
 def drop_queue_table(database_url: str, names: Names) -> None:
     """Down from the version the table is at (a test may have left it older)."""
-    with psycopg.connect(conninfo(database_url), autocommit=True) as conn:
-        row = conn.execute(
-            "SELECT obj_description(to_regclass(%s), 'pg_class')", [names.qualified]
-        ).fetchone()
-        current = parse_version_comment(row[0] if row else None) or LATEST
-        for sql in down_statements(names, current, 0):
-            conn.execute(sql.encode())
+    engine = create_engine(sqlalchemy_url(database_url), poolclass=NullPool)
+    try:
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            for sql in down_statements(names, schema_version(conn, names) or LATEST, 0):
+                conn.execute(text(sql))  # as `migrations.downgrade` runs them, through op.execute
+    finally:
+        engine.dispose()
